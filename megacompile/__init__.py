@@ -1,0 +1,17 @@
+"""megatrain: train LLMs far larger than accelerator memory with `torch.compile`.
+
+    import torch, megacompile
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ...
+    print(megacompile.stats(cmodel))
+"""
+from .backend import megatrain_backend, stats
+from .errors import ConfigError, GraphBreakError, MegatrainError, ResidencyError, UnsupportedModelError
+from .options import Options
+from .runtime.store import master_weight
+
+__all__ = [
+    "megatrain_backend", "stats", "Options", "master_weight",
+    "MegatrainError", "UnsupportedModelError", "GraphBreakError", "ConfigError", "ResidencyError",
+]
+__version__ = "0.1.0"

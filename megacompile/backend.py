@@ -1,0 +1,171 @@
+"""The `megatrain` TorchDynamo backend.
+
+    torch.compile(model, backend="megatrain", options={"device": "cpu", "slots": 2})
+
+Dynamo hands us one whole-model graph whose inputs include the real parameters. We
+  1. capture: name every input and give each weight its decoder-layer group (`capture.py`);
+  2. register the weights in the host store (fp32 masters, transfer copies; `runtime/store.py`);
+  3. run AOTAutograd with a partition that saves only layer-boundary activations
+     (`passes/recompute_boundaries.py` + torch's min-cut partitioner);
+  4. split forward and backward into per-layer segments, dedupe identical bodies, and build the
+     transfer schedule (`passes/`);
+  5. return AOT's autograd wrapper around two schedule executors (`runtime/executor.py`).
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._decomp import get_decompositions
+from torch._functorch.aot_autograd import aot_module_simplified
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from .capture import ModelCapture, capture_inputs
+from .options import Options
+from .passes import PassContext, run_pipeline
+from .passes.dedupe_bodies import dedupe_bodies
+from .passes.layer_regions import layer_regions
+from .passes.recompute_boundaries import recompute_boundaries
+from .passes.retarget_device import retarget_device
+from .passes.schedule import schedule
+from .passes.split_segments import split_segments
+from .passes.tag_weights import tag_weights
+from .runtime import store
+from .runtime.executor import DirectionRunner
+from .runtime.weight_pool import DeviceWeightPool
+
+JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries]
+DIRECTION_PASSES = [tag_weights, retarget_device, layer_regions, split_segments, dedupe_bodies, schedule]
+
+# softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
+DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
+
+_PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, list[Program]]" = weakref.WeakKeyDictionary()
+
+
+class Program:
+    """Everything compiled for one Dynamo graph: the runners, the pool and the step figures."""
+
+    def __init__(self, capture: ModelCapture, options: Options):
+        self.options = options
+        self.capture = capture
+        device = options.torch_device
+        names = {inp.index: inp.name for inp in capture.inputs}
+        self.entries = store.register(capture.params, names, pin=device.type == "cuda")
+        self.pool = DeviceWeightPool(device, options.slots)
+        self.runners: dict[str, DirectionRunner] = {}
+        self.pass_records: dict[str, list] = {}
+        self.last_stats: dict[str, Any] = {}
+        self._step: dict[str, Any] = {}
+        self.last_run = 0.0
+
+    def context(self, direction: str) -> PassContext:
+        cap = self.capture
+        return PassContext(
+            direction=direction,
+            num_groups=cap.num_layers + 2,
+            flat_groups={inp.index: inp.group for inp in cap.inputs if inp.kind == "param"},
+            device=self.options.torch_device,
+            weight_nbytes={i: e.nbytes for i, e in self.entries.items()},
+            slots=self.options.slots,
+            module_groups=self.capture.module_groups(),
+            disabled=self.options.disable_passes,
+            debug=self.options.debug_passes,
+        )
+
+    # AOTAutograd hooks ------------------------------------------------------------
+    def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        ctx = self.context("joint")
+        joint = run_pipeline(joint, JOINT_PASSES, ctx)
+        self.pass_records["joint"] = ctx.records
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def compile(self, direction: str, gm: fx.GraphModule) -> DirectionRunner:
+        ctx = self.context(direction)
+        top = run_pipeline(gm, DIRECTION_PASSES, ctx)
+        self.pass_records[direction] = ctx.records
+        runner = DirectionRunner(direction, top, self)
+        self.runners[direction] = runner
+        return runner
+
+    # step accounting ----------------------------------------------------------------
+    def begin(self, direction: str) -> dict:
+        self.last_run = time.monotonic()
+        if direction == "forward":
+            self.pool.reset_counters()
+            if self.options.torch_device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.options.torch_device)
+            self._step = {"peak_device_bytes": 0, "d2h_bytes": 0, "forward_seconds": 0.0,
+                          "backward_seconds": 0.0}
+        return self._step
+
+    def end(self, direction: str, step: dict, *, peak: int, d2h: int, seconds: float) -> None:
+        if self.options.torch_device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.options.torch_device)
+        step["peak_device_bytes"] = max(step["peak_device_bytes"], peak)
+        step["d2h_bytes"] += d2h
+        step[f"{direction}_seconds"] = seconds
+        self.last_stats = self.stats_now()
+
+    def stats_now(self) -> dict[str, Any]:
+        fw = self.runners.get("forward")
+        bw = self.runners.get("backward")
+        layer_groups = range(1, self.capture.num_layers + 1)
+
+        def layer_bodies(runner):
+            if runner is None:
+                return 0
+            return len({runner.body_of[k] for k, seg in enumerate(runner.schedule.segments)
+                        if seg.group in layer_groups})
+
+        return {
+            "device": str(self.options.torch_device),
+            "layers": self.capture.num_layers,
+            "slots": self.options.slots,
+            "peak_device_bytes": self._step.get("peak_device_bytes", 0),
+            "peak_device_weight_bytes": self.pool.counters.peak_resident_bytes,
+            "h2d_bytes": self.pool.counters.h2d_bytes,
+            "d2h_bytes": self._step.get("d2h_bytes", 0),
+            "distinct_layer_bodies": layer_bodies(fw),
+            "distinct_bodies": {"forward": len(fw.bodies) if fw else 0,
+                                "backward": len(bw.bodies) if bw else 0},
+            "distinct_backward_layer_bodies": layer_bodies(bw),
+            "segments": {"forward": len(fw.calls) if fw else 0, "backward": len(bw.calls) if bw else 0},
+            "forward_seconds": self._step.get("forward_seconds", 0.0),
+            "backward_seconds": self._step.get("backward_seconds", 0.0),
+            "weight_bytes": sum(e.nbytes for e in self.entries.values()),
+        }
+
+
+def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_ignored):
+    """TorchDynamo backend entry point (registered as "megatrain" via entry points)."""
+    opts = Options.from_mapping(options)
+    capture = capture_inputs(gm, example_inputs)
+    program = Program(capture, opts)
+    compiled = aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=lambda g, _inputs: program.compile("forward", g),
+        bw_compiler=lambda g, _inputs: program.compile("backward", g),
+        partition_fn=program.partition,
+        decompositions=DECOMPOSITIONS,
+    )
+    _PROGRAMS.setdefault(capture.root, []).append(program)
+    return compiled
+
+
+def programs_of(model: torch.nn.Module) -> list[Program]:
+    root = getattr(model, "_orig_mod", model)
+    return _PROGRAMS.get(root, [])
+
+
+def stats(model: torch.nn.Module) -> dict[str, Any]:
+    """Figures of the last training step of a model compiled with backend="megatrain"."""
+    programs = programs_of(model)
+    if not programs:
+        raise ValueError("stats(): this model has not run under torch.compile(backend='megatrain') yet.")
+    latest = max(programs, key=lambda p: p.last_run)
+    return {**latest.last_stats, "compiled_graphs": len(programs)}

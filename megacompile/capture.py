@@ -1,0 +1,251 @@
+"""What Dynamo hands the backend, made explicit: the root model, each graph input's role and
+name, and the decoder-layer index of every weight.
+
+Dynamo lifts parameters and buffers into graph inputs (`example_inputs` holds the real
+`nn.Parameter` objects). We find the root module in the frame being compiled, map inputs to
+fully qualified names by `id()`, and find the decoder stack as the `nn.ModuleList` holding the
+most parameters. Layer kinds are NOT decided here: they come from the graph (see
+`passes/dedupe_bodies.py`); this module only says which stack entry a weight belongs to.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from .errors import GraphBreakError, UnsupportedModelError
+
+#: Group ids: 0 = weights used before the first decoder layer (embeddings), 1..N = decoder
+#: layers, N+1 = weights used after the last layer (final norm, LM head).
+EMBED_GROUP = 0
+
+
+@dataclass
+class GraphInput:
+    index: int                  # position in example_inputs == AOT flat-arg position
+    kind: str                   # "param" | "buffer" | "input" | "symint"
+    name: str                   # FQN for params/buffers, Dynamo source name for inputs
+    group: int | None = None    # weight group (params only)
+    aliases: tuple[str, ...] = ()  # other FQNs of a tied parameter
+
+
+@dataclass
+class ModelCapture:
+    root: nn.Module
+    inputs: list[GraphInput]
+    layer_prefix: str
+    num_layers: int
+    params: dict[int, nn.Parameter] = field(default_factory=dict)  # flat index -> Parameter
+
+    @property
+    def head_group(self) -> int:
+        return self.num_layers + 1
+
+    def module_groups(self) -> dict[str, int]:
+        """Module FQN -> weight group, for every module whose weights all share one group."""
+        groups: dict[str, set[int]] = {}
+        for inp in self.inputs:
+            if inp.kind != "param":
+                continue
+            for name in (inp.name, *inp.aliases):
+                parts = name.split(".")
+                for k in range(1, len(parts)):
+                    groups.setdefault(".".join(parts[:k]), set()).add(inp.group)
+        return {m: g.pop() for m, g in groups.items() if len(g) == 1}
+
+    def group_name(self, group: int) -> str:
+        if group == EMBED_GROUP:
+            return "embed"
+        if group == self.head_group:
+            return "head"
+        return f"{self.layer_prefix}.{group - 1}"
+
+
+def _current_frame_locals() -> dict[str, Any] | None:
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    tx = InstructionTranslator.current_tx()
+    return None if tx is None else tx.f_locals
+
+
+def _compile_reason():
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+    except ImportError:  # pragma: no cover
+        return None
+    tx = InstructionTranslator.current_tx()
+    return getattr(getattr(tx, "output", None), "compile_subgraph_reason", None)
+
+
+def _modules_in(value: Any, depth: int = 0):
+    if isinstance(value, nn.Module):
+        yield value
+    elif depth < 2 and isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _modules_in(v, depth + 1)
+    elif depth < 2 and isinstance(value, dict):
+        for v in value.values():
+            yield from _modules_in(v, depth + 1)
+
+
+def find_root_module(example_inputs: Sequence[Any]) -> nn.Module:
+    """The module whose parameters the graph reads: the `self` of the compiled forward."""
+    param_ids = {id(t) for t in example_inputs if isinstance(t, nn.Parameter)}
+    f_locals = _current_frame_locals() or {}
+    best, best_hits = None, 0
+    for mod in _modules_in(f_locals):
+        hits = sum(1 for p in mod.parameters() if id(p) in param_ids)
+        if hits > best_hits:
+            best, best_hits = mod, hits
+    if best is None:
+        raise UnsupportedModelError(
+            "megatrain compiles a whole nn.Module: call torch.compile(model, backend='megatrain') on the "
+            "HuggingFace model itself, whose parameters must be read by the compiled forward."
+        )
+    return best
+
+
+def find_layer_stack(root: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The decoder stack: the ModuleList of blocks that holds the most parameters."""
+    best_name, best, best_count = None, None, 0
+    for name, mod in root.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) > 0:
+            count = sum(p.numel() for p in mod.parameters())
+            if count > best_count:
+                best_name, best, best_count = name, mod, count
+    if best is None:
+        raise UnsupportedModelError(
+            f"could not find the decoder layers of {type(root).__name__}: megatrain streams weights layer "
+            "by layer and needs the blocks in an nn.ModuleList (as every HuggingFace decoder-only model "
+            "has, e.g. model.layers). Wrap your blocks in an nn.ModuleList."
+        )
+    return best_name, best
+
+
+def check_model(root: nn.Module, training: bool, use_cache: Any) -> None:
+    """Refuse models and calls megatrain cannot train, before any work is done."""
+    config = getattr(root, "config", None)
+    model_type = getattr(config, "model_type", type(root).__name__)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(root).__name__} (model_type={model_type!r}) is an encoder-decoder model; megatrain trains "
+            "decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, Mixtral, DeepSeek, ...). "
+            "Use a *ForCausalLM model."
+        )
+    if training and use_cache:
+        raise UnsupportedModelError(
+            "use_cache=True during training: the KV cache would keep every layer's keys and values on the "
+            "device and is only useful for generation. Pass use_cache=False to the model call "
+            "(or set model.config.use_cache = False)."
+        )
+
+
+def _effective_use_cache(root: nn.Module, f_locals: dict[str, Any]) -> Any:
+    kwargs = f_locals.get("kwargs") if isinstance(f_locals.get("kwargs"), dict) else {}
+    if "use_cache" in f_locals:
+        value = f_locals["use_cache"]
+    else:
+        value = kwargs.get("use_cache", None)
+    if value is None:
+        value = getattr(getattr(root, "config", None), "use_cache", False)
+    return bool(value)
+
+
+def check_graph_break(capture: "ModelCapture", gm: torch.fx.GraphModule) -> None:
+    """One whole-model graph or a clear error naming the op and the place that broke it."""
+    reason = _compile_reason()
+    weights = [p for p in capture.root.parameters()]
+    present = {id(capture.params[i]) for i in capture.params}
+    missing = [p for p in weights if id(p) not in present]
+    broke = bool(getattr(reason, "graph_break", False))
+    if not broke and not missing:
+        return
+    where = ""
+    if reason is not None and getattr(reason, "user_stack", None):
+        frame = reason.user_stack[-1]
+        where = f" at {frame.filename}:{frame.lineno} in {frame.name}()"
+        if frame.line:
+            where += f": `{frame.line.strip()}`"
+    layers_seen = sorted({inp.group - 1 for inp in capture.inputs
+                          if inp.kind == "param" and inp.group and inp.group <= capture.num_layers})
+    if layers_seen:
+        last = layers_seen[-1]
+        _, stack = find_layer_stack(capture.root)
+        layer_params = {id(p) for p in stack[last].parameters()}
+        inside = not layer_params <= present
+        place = (f"inside decoder layer {capture.layer_prefix}.{last}" if inside
+                 else f"after decoder layer {capture.layer_prefix}.{last}")
+    else:
+        place = "before the first decoder layer"
+    why = getattr(reason, "reason", "the graph did not cover every weight of the model")
+    raise GraphBreakError(
+        f"Dynamo could not capture {type(capture.root).__name__} as one graph: graph break {place}{where} "
+        f"({why}). megatrain needs the whole forward in one graph to schedule weight transfers; replace the "
+        "op Dynamo cannot trace (e.g. .item(), .tolist(), print, data-dependent Python control flow) or "
+        "mark it with torch.library.custom_op."
+    )
+
+
+_LAYER_RE_CACHE: dict[str, re.Pattern] = {}
+
+
+def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> ModelCapture:
+    """Map each graph input to its role, name and weight group."""
+    root = find_root_module(example_inputs)
+    f_locals = _current_frame_locals() or {}
+    check_model(root, training=root.training and torch.is_grad_enabled(),
+                use_cache=_effective_use_cache(root, f_locals))
+    prefix, stack = find_layer_stack(root)
+    num_layers = len(stack)
+
+    param_names: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(p), []).append(name)
+    buffer_names = {id(b): n for n, b in root.named_buffers(remove_duplicate=False)}
+    layer_re = _LAYER_RE_CACHE.setdefault(prefix, re.compile(rf"^{re.escape(prefix)}\.(\d+)\."))
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    inputs: list[GraphInput] = []
+    params: dict[int, nn.Parameter] = {}
+    for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
+        if isinstance(value, nn.Parameter) and id(value) in param_names:
+            names = param_names[id(value)]
+            group = None
+            for n in names:
+                m = layer_re.match(n)
+                if m:
+                    group = int(m.group(1)) + 1
+                    break
+            inputs.append(GraphInput(i, "param", names[0], group, tuple(names[1:])))
+            params[i] = value
+        elif isinstance(value, torch.Tensor) and id(value) in buffer_names:
+            inputs.append(GraphInput(i, "buffer", buffer_names[id(value)]))
+        elif isinstance(value, torch.Tensor):
+            inputs.append(GraphInput(i, "input", node.name))
+        else:
+            inputs.append(GraphInput(i, "symint", node.name))
+
+    capture = ModelCapture(root, inputs, prefix, num_layers, params)
+    _assign_outer_groups(capture, gm, placeholders)
+    check_graph_break(capture, gm)
+    return capture
+
+
+def _assign_outer_groups(capture: ModelCapture, gm: torch.fx.GraphModule, placeholders) -> None:
+    """Weights outside the stack go to the embed group if first used before layer 0, else head."""
+    order = {n: k for k, n in enumerate(gm.graph.nodes)}
+
+    def first_use(node) -> int:
+        return min((order[u] for u in node.users), default=len(order))
+
+    layer0 = [placeholders[inp.index] for inp in capture.inputs if inp.kind == "param" and inp.group == 1]
+    layer0_start = min((first_use(n) for n in layer0), default=len(order))
+    for inp in capture.inputs:
+        if inp.kind == "param" and inp.group is None:
+            before = first_use(placeholders[inp.index]) < layer0_start
+            inp.group = EMBED_GROUP if before else capture.head_group

@@ -1,0 +1,71 @@
+"""Backend options: `torch.compile(model, backend="megatrain", options={...})`.
+
+Every key is declared here with its type and meaning; unknown keys are rejected with the
+closest valid key suggested, so a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class Options:
+    #: Where layer bodies run. "cuda" when available, else "cpu" (the CPU then plays the
+    #: accelerator: same schedule, store and byte accounting, synchronous copies).
+    device: str = field(default_factory=_default_device)
+    #: Number of decoder-layer weight slots on the device (the running layer + prefetched ones).
+    slots: int = 2
+    #: Verify before every body that each weight it reads is resident (catches use-after-evict,
+    #: which on a real accelerator would read freed memory).
+    debug_residency: bool = False
+    #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
+    disable_passes: tuple[str, ...] = ()
+    #: Print each pass's before/after op counts.
+    debug_passes: bool = False
+
+    @classmethod
+    def from_mapping(cls, mapping: dict | None) -> "Options":
+        mapping = dict(mapping or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        for key in mapping:
+            if key not in names:
+                close = difflib.get_close_matches(key, sorted(names), n=1)
+                hint = f" Did you mean {close[0]!r}?" if close else ""
+                raise ConfigError(
+                    f"unknown megatrain option {key!r}.{hint} Valid options: {', '.join(sorted(names))}."
+                )
+        if "disable_passes" in mapping:
+            dp = mapping["disable_passes"]
+            mapping["disable_passes"] = (dp,) if isinstance(dp, str) else tuple(dp)
+        opts = cls(**mapping)
+        opts.validate()
+        return opts
+
+    def validate(self) -> None:
+        if not isinstance(self.slots, int) or self.slots < 1:
+            raise ConfigError(f"option slots={self.slots!r}: need an integer >= 1 (2 overlaps one transfer with compute).")
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError as e:
+            raise ConfigError(f"option device={self.device!r} is not a torch device: {e}") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("option device='cuda' but no CUDA device is available; use device='cpu'.")
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"option device={self.device!r}: megatrain runs on 'cuda' or 'cpu'.")
+
+    @property
+    def torch_device(self) -> torch.device:
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        return dev

@@ -1,0 +1,98 @@
+"""Assign every node to the segment (weight group) that computes it, by data flow.
+
+Splitting by `nn_module_stack` alone makes cycles and mislabels CSE'd shared nodes, so data
+flow decides what is legal and the module stack only breaks ties. Each weight group has a time
+rank: forward runs embed(0), layers 1..N, head(N+1); backward runs them in reverse.
+
+  * A node that depends on weights can run no earlier than the latest-ranked weight-dependent
+    value it reads (ASAP) and no later than its earliest consumer (ALAP). Inside that window it
+    goes where its module says (layer k+1's input RMSNorm statistics, computed from layer k's
+    output, belong to layer k+1), otherwise to the ASAP rank.
+  * A weight-free node (masks, rotary tables, symbolic sizes, recompute from a saved boundary)
+    runs in its consumers' segment if they share one, otherwise in the prologue (rank -1), so
+    that all decoder layers get the same structure and identical layers dedupe to one body.
+
+Ranks never decrease along an edge, so segments in rank order are a valid schedule.
+
+    ids -> [embed: gather(w_e)] -> [layer 1: rmsnorm, q/k/v, sdpa, o, mlp] -> ... -> [head: lm_head, loss]
+"""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch.fx as fx
+
+from . import GROUP, RANK, WEIGHT_GROUP, PassContext, graph_pass
+
+PROLOGUE = -1
+_ROOT = re.compile(r"^L\[[^\]]*\](?:\[[^\]]*\])*\.?")
+_INDEX = re.compile(r"\[(\d+)\]")
+
+
+def group_rank(group: int, ctx: PassContext) -> int:
+    if group == PROLOGUE:
+        return PROLOGUE
+    return group if ctx.direction in ("forward", "joint") else ctx.num_groups - 1 - group
+
+
+def rank_group(rank: int, ctx: PassContext) -> int:
+    return group_rank(rank, ctx)  # the mapping is its own inverse
+
+
+def module_path(node: fx.Node) -> str | None:
+    """FQN (relative to the compiled model) of the innermost module that produced `node`."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    return _INDEX.sub(r".\1", _ROOT.sub("", path))
+
+
+def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
+    path = module_path(node)
+    while path:
+        if path in ctx.module_groups:
+            return ctx.module_groups[path]
+        path = path.rpartition(".")[0]
+    return None
+
+
+@graph_pass("layer_regions", requires=("mt_flat_index",), provides=(GROUP, RANK))
+def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    nodes = list(gm.graph.nodes)
+    asap: dict[fx.Node, int] = {}   # weight-dependent nodes only
+    for n in nodes:
+        if n.op == "placeholder":
+            if WEIGHT_GROUP in n.meta:
+                asap[n] = group_rank(n.meta[WEIGHT_GROUP], ctx)
+        elif n.op != "output":
+            deps = [asap[a] for a in n.all_input_nodes if a in asap]
+            if deps:
+                asap[n] = max(deps)
+
+    last_rank = ctx.num_groups - 1
+    rank: dict[fx.Node, int] = {}
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "output"):
+            continue
+        user_ranks = {rank[u] if u.op != "output" else last_rank for u in n.users}
+        if n in asap:
+            alap = min(user_ranks, default=last_rank)
+            pref = preferred_group(n, ctx)
+            pref = group_rank(pref, ctx) if pref is not None else None
+            rank[n] = pref if pref is not None and asap[n] <= pref <= alap else asap[n]
+        else:
+            rank[n] = user_ranks.pop() if len(user_ranks) == 1 else PROLOGUE
+    # Multi-output ops: getitems stay with their producer so tuples never cross segments.
+    for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem and n.args[0] in rank:
+            rank[n] = rank[n.args[0]]
+    # ... which may pull a weight-free producer chain earlier.
+    for n in reversed(nodes):
+        if n in rank and n not in asap:
+            rank[n] = min([rank[n]] + [rank[u] for u in n.users if u in rank])
+    for n, r in rank.items():
+        n.meta[RANK] = r
+        n.meta[GROUP] = rank_group(r, ctx)
+    return gm

@@ -1,0 +1,41 @@
+"""Layer-boundary recomputation: only the hidden states that cross a segment boundary are saved.
+
+Runs on AOTAutograd's joint graph before the min-cut partitioner. Every forward node of segment
+g is tagged MUST_RECOMPUTE with `ac_graph_id = g`; the partitioner's own cleanup turns a tagged
+node whose user lies in a later id into MUST_SAVE, so what is saved is exactly the boundary
+tensors (plus weight-free prologue values such as rotary tables and masks, which the min-cut
+decides). Weights are primals, so the backward reads them as primals and re-derives transposes
+(`t(w)`) itself instead of keeping a transposed copy alive.
+
+    fwd:  h_i = layer_i(h_{i-1}, W_i)       bwd:  recompute layer_i from h_{i-1}, W_i
+          [save h_{i-1}]                           then grad of layer_i
+"""
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from . import GROUP, PassContext, graph_pass
+from .layer_regions import PROLOGUE
+
+
+def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Joint-graph nodes that do not depend on any tangent."""
+    backward: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("tangents"):
+            backward.add(n)
+        elif any(a in backward for a in n.all_input_nodes):
+            backward.add(n)
+    return {n for n in gm.graph.nodes if n not in backward and n.op not in ("placeholder", "output")}
+
+
+@graph_pass("recompute_boundaries", requires=(GROUP,), provides=("recompute", "ac_graph_id"))
+def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    for n in forward_nodes(gm):
+        group = n.meta.get(GROUP, PROLOGUE)
+        if group == PROLOGUE:
+            continue
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+        n.meta["ac_graph_id"] = group
+    return gm

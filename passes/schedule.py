@@ -1,0 +1,103 @@
+"""Build the transfer schedule of a split graph: when each segment's weights are fetched,
+waited on, evicted, and when its gradients leave the device.
+
+The schedule is data (`gm.meta["mt_schedule"]`): the runtime executes it and tools print it.
+With `slots` weight slots, up to `slots` weight-reading segments are resident: the running one
+and the ones prefetched ahead of it. A prefetch is issued right after an evict frees a slot,
+so residency never exceeds the budget. In the backward, each parameter's gradient is offloaded
+right after the segment that finalises it.
+
+    prefetch s0, prefetch s1 | wait s0, run s0, [grad_offload s0], evict s0, prefetch s2 |
+    wait s1, run s1, ...
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
+from .split_segments import SEGMENT
+
+SCHEDULE = "mt_schedule"
+
+
+@dataclass(frozen=True)
+class Step:
+    op: str          # "prefetch" | "wait" | "run" | "evict" | "grad_offload"
+    stream: str      # "h2d" | "compute" | "d2h"
+    segment: int     # index into Schedule.segments
+    nbytes: int = 0
+
+
+@dataclass
+class SegmentInfo:
+    name: str                      # submodule name in the top graph
+    group: int                     # weight group (-1 prologue)
+    weights: list[int]             # flat indices of the parameters it reads
+    grads: list[tuple[int, str]] = field(default_factory=list)  # (flat index, value) finalised here
+    weight_nbytes: int = 0
+
+
+@dataclass
+class Schedule:
+    direction: str
+    slots: int
+    segments: list[SegmentInfo]
+    steps: list[Step]
+
+    def peak_resident_weight_bytes(self) -> int:
+        resident, peak = 0, 0
+        for s in self.steps:
+            if s.op == "prefetch":
+                resident += s.nbytes
+                peak = max(peak, resident)
+            elif s.op == "evict":
+                resident -= s.nbytes
+        return peak
+
+
+def _segment_infos(gm: fx.GraphModule, ctx: PassContext) -> list[SegmentInfo]:
+    infos, where = [], {}
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and SEGMENT in n.meta:
+            weights = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
+                              if a.op == "placeholder" and WEIGHT_GROUP in a.meta})
+            infos.append(SegmentInfo(n.target, n.meta[SEGMENT]["group"], weights,
+                                     weight_nbytes=sum(ctx.weight_nbytes.get(i, 0) for i in weights)))
+            where[n] = len(infos) - 1
+    if ctx.direction == "backward":
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        for flat_index, value in enumerate(out.args[0]):
+            if isinstance(value, fx.Node) and flat_index in ctx.flat_groups and value.op == "call_function":
+                infos[where[value.args[0]]].grads.append((flat_index, value.name))
+    return infos
+
+
+@graph_pass("schedule", requires=(SEGMENT,), provides=())
+def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    segments = _segment_infos(gm, ctx)
+    fetching = [k for k, s in enumerate(segments) if s.weights]
+    steps: list[Step] = []
+    issued = 0
+
+    def prefetch_next():
+        nonlocal issued
+        k = fetching[issued]
+        steps.append(Step("prefetch", "h2d", k, segments[k].weight_nbytes))
+        issued += 1
+
+    while issued < min(ctx.slots, len(fetching)):
+        prefetch_next()
+    for k, seg in enumerate(segments):
+        if seg.weights:
+            steps.append(Step("wait", "compute", k))
+        steps.append(Step("run", "compute", k))
+        if seg.grads:
+            steps.append(Step("grad_offload", "d2h", k))
+        if seg.weights:
+            steps.append(Step("evict", "compute", k, seg.weight_nbytes))
+            if issued < len(fetching):
+                prefetch_next()
+    gm.meta[SCHEDULE] = Schedule(ctx.direction, ctx.slots, segments, steps)
+    return gm

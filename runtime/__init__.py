@@ -1,0 +1,1 @@
+"""Runtime: host weight store, device weight pool, schedule executor."""

@@ -1,0 +1,195 @@
+"""Schedule executor: runs one direction (forward or backward) of a split program.
+
+The top-level graph from `passes/split_segments.py` says which values flow between segments;
+the schedule from `passes/schedule.py` says when weights move. The executor binds weight inputs
+to device views from the pool (never to the host parameters), frees every value right after its
+last use, delivers gradients to the host as soon as a segment finalises them, and keeps the
+byte accounting that `megacompile.stats` reports.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..errors import ResidencyError
+from ..passes import FLAT_INDEX, WEIGHT_GROUP
+from ..passes.dedupe_bodies import BODY
+from ..passes.schedule import SCHEDULE, Schedule
+from ..passes.split_segments import SEGMENT
+from .weight_pool import DeviceWeightPool
+
+_ALWAYS = math.inf
+
+
+@dataclass
+class Call:
+    body: fx.GraphModule
+    inputs: list[tuple[str, int | None]]   # (value name, flat index if it is a weight)
+    outputs: list[str]
+
+
+def _nbytes(v) -> int:
+    return v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
+
+
+def _transient_bytes(body: fx.GraphModule) -> int:
+    """Peak bytes of a body's intermediates (from traced metadata, size hints for symbols)."""
+    def dim(d) -> int:
+        if isinstance(d, torch.SymInt):
+            return int(d.node.hint) if d.node.has_hint() else 1
+        return int(d)
+
+    def size(n: fx.Node) -> int:
+        val = n.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        return sum(math.prod(dim(d) for d in v.shape) * v.element_size()
+                   for v in vals if isinstance(v, torch.Tensor))
+
+    nodes = list(body.graph.nodes)
+    last = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    live, peak, sizes = 0, 0, {}
+    for i, n in enumerate(nodes):
+        if n.op in ("call_function", "call_method", "call_module"):
+            sizes[n] = size(n)
+            live += sizes[n]
+            peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if last.get(a) == i and a in sizes:
+                live -= sizes.pop(a)
+    return peak
+
+
+class DirectionRunner:
+    """Callable handed to AOTAutograd as the compiled forward or backward."""
+
+    _boxed_call = True  # AOT passes the argument list itself, so we can drop saved tensors early
+
+    def __init__(self, direction: str, top: fx.GraphModule, program):
+        self.direction = direction
+        self.program = program
+        self.schedule: Schedule = top.meta[SCHEDULE]
+        self.device: torch.device = program.options.torch_device
+        self.placeholders: list[tuple[str, int | None]] = []
+        for n in top.graph.nodes:
+            if n.op == "placeholder":
+                weight = n.meta.get(FLAT_INDEX) if WEIGHT_GROUP in n.meta else None
+                self.placeholders.append((n.name, weight))
+        weight_names = {name: idx for name, idx in self.placeholders if idx is not None}
+        self.calls: list[Call] = []
+        bodies: dict[str, fx.GraphModule] = {}
+        for n in top.graph.nodes:
+            if n.op == "call_module" and SEGMENT in n.meta:
+                body_name = n.meta.get(BODY, n.target)
+                body = bodies.setdefault(body_name, top.get_submodule(body_name))
+                inputs = [(a.name, weight_names.get(a.name)) for a in n.args]
+                self.calls.append(Call(body, inputs, list(n.meta[SEGMENT]["outputs"])))
+        self.bodies = bodies
+        self.transient = {name: _transient_bytes(b) for name, b in bodies.items()}
+        self.body_of = [next(k for k, b in bodies.items() if b is c.body) for c in self.calls]
+        out = next(n for n in top.graph.nodes if n.op == "output")
+        self.output_spec = [a.name if isinstance(a, fx.Node) else a for a in out.args[0]]
+        # last segment reading each value; graph outputs live to the end
+        self.last_use: dict[str, float] = {}
+        for k, c in enumerate(self.calls):
+            for name, weight in c.inputs:
+                if weight is None:
+                    self.last_use[name] = k
+        for name in self.output_spec:
+            if isinstance(name, str):
+                self.last_use[name] = _ALWAYS
+        self.offloaded = {name for seg in self.schedule.segments for _, name in seg.grads}
+
+    # ------------------------------------------------------------------------------
+    def __call__(self, args: list):
+        program = self.program
+        stats = program.begin(self.direction)
+        pool: DeviceWeightPool = program.pool
+        entries = program.entries
+        env: dict[str, object] = {}
+        host_args: dict[str, object] = {}
+        for (name, weight), value in zip(self.placeholders, args):
+            if weight is not None:
+                host_args[name] = value  # weights are read from the pool, never from here
+            elif isinstance(value, torch.Tensor) and value.device != self.device:
+                env[name] = value.to(self.device, non_blocking=True)
+            else:
+                env[name] = value
+        args.clear()  # boxed call: saved activations die at their last use, not at the end
+        debug = program.options.debug_residency
+        live_bytes = self._live(env) + pool.counters.resident_bytes
+        peak = live_bytes
+        grads_bytes = 0
+        t0 = time.perf_counter()
+        for step in self.schedule.steps:
+            k = step.segment
+            seg = self.schedule.segments[k]
+            if step.op == "prefetch":
+                pool.fetch(k, {i: entries[i] for i in seg.weights})
+            elif step.op == "wait":
+                pool.wait(k)
+            elif step.op == "evict":
+                pool.evict(k)
+            elif step.op == "run":
+                call = self.calls[k]
+                views = pool.views(k) if seg.weights else {}
+                inputs = []
+                for name, weight in call.inputs:
+                    if weight is None:
+                        inputs.append(env[name])
+                    else:
+                        if debug:
+                            pool.check_resident(k, weight, views.get(weight), entries[weight].name)
+                        inputs.append(views[weight])
+                if debug:
+                    _check_inputs_have_storage(inputs, call, k)
+                outs = call.body(*inputs)
+                for name, value in zip(call.outputs, outs):
+                    env[name] = value
+                live = self._live(env) + pool.counters.resident_bytes
+                peak = max(peak, live + self.transient[self.body_of[k]])
+                for name, _ in call.inputs:
+                    if self.last_use.get(name) == k:
+                        env.pop(name, None)
+                for name in call.outputs:
+                    if name not in self.last_use:
+                        env.pop(name, None)
+            elif step.op == "grad_offload":
+                for index, name in seg.grads:
+                    grad = env.pop(name) if self.last_use.get(name, -1) is not _ALWAYS else env[name]
+                    grads_bytes += entries[index].accumulate_grad(grad)
+        result = []
+        for spec in self.output_spec:
+            if spec is None or not isinstance(spec, str):
+                result.append(spec)
+            elif spec in host_args:       # a saved weight: hand back the host parameter
+                result.append(host_args[spec])
+            elif spec in self.offloaded:  # already delivered to param.grad
+                result.append(None)
+            else:
+                result.append(env[spec])
+        program.end(self.direction, stats, peak=peak, d2h=grads_bytes, seconds=time.perf_counter() - t0)
+        return tuple(result)
+
+    @staticmethod
+    def _live(env: dict) -> int:
+        seen, total = set(), 0
+        for v in env.values():
+            if isinstance(v, torch.Tensor):
+                key = v.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += _nbytes(v)
+        return total
+
+
+def _check_inputs_have_storage(inputs, call: Call, k: int) -> None:
+    for (name, _), value in zip(call.inputs, inputs):
+        if isinstance(value, torch.Tensor) and value.numel() > 0 and value.untyped_storage().nbytes() == 0:
+            raise ResidencyError(f"input {name} of segment {k} has no storage (freed or evicted)")

@@ -1,0 +1,145 @@
+"""Host weight store: the home of every weight, its fp32 master and its transfer copy.
+
+Layout per trainable parameter `p` of compute dtype `c` (the dtype Dynamo traced):
+  * c == float32: `p.data` is the master AND the transfer copy (nothing duplicated).
+  * c is bf16/fp16: `p.data` stays the compute-dtype transfer copy (so Dynamo's dtype guards
+    hold and no recompile happens), an fp32 master lives beside it, and `p.grad` is fp32
+    (`p.grad_dtype = float32`). Around every `optimizer.step()` (global optimizer hooks) the
+    parameter is switched to its fp32 master, so a plain `torch.optim.AdamW` updates fp32
+    masters with fp32 state; afterwards the transfer copy is refreshed from the master, so the
+    next forward never reads stale weights.
+On CUDA the transfer copies are pinned so host-to-device copies are asynchronous.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@dataclass(eq=False)
+class WeightEntry:
+    param_ref: "weakref.ref[nn.Parameter]"
+    name: str
+    master: torch.Tensor | None     # fp32 master when the transfer copy is low precision
+    transfer: torch.Tensor          # compute-dtype host copy the device reads
+    synced_version: int = 0         # p._version when transfer and master last agreed
+
+    @property
+    def param(self) -> nn.Parameter:
+        p = self.param_ref()
+        if p is None:  # pragma: no cover - the model was garbage collected under us
+            raise RuntimeError(f"parameter {self.name} no longer exists")
+        return p
+
+    @property
+    def nbytes(self) -> int:
+        return self.transfer.numel() * self.transfer.element_size()
+
+    @property
+    def trainable(self) -> bool:
+        return self.param.requires_grad
+
+    def source(self) -> torch.Tensor:
+        """The host tensor to copy to the device."""
+        return self.param.data
+
+    def accumulate_grad(self, grad: torch.Tensor) -> int:
+        """Deliver a device gradient to `param.grad` on the host as fp32; returns bytes moved."""
+        p = self.param
+        moved = grad.numel() * grad.element_size()
+        host = grad.to("cpu", non_blocking=False)
+        want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
+        if host.dtype != want:
+            host = host.to(want)
+        if p.grad is None:
+            p.grad = host if host.is_contiguous() else host.contiguous()
+        else:
+            p.grad.add_(host)
+        return moved
+
+    # optimizer hooks ---------------------------------------------------------------
+    def to_master(self) -> None:
+        p = self.param
+        if self.master is None:
+            return
+        if p._version != self.synced_version:  # the user wrote the weights in place
+            self.master.copy_(p.detach())
+        p.data = self.master
+
+    def to_transfer(self) -> None:
+        p = self.param
+        if self.master is None:
+            return
+        self.transfer.copy_(self.master)
+        p.data = self.transfer
+        self.synced_version = p._version
+
+
+_ENTRIES: dict[int, WeightEntry] = {}
+_HOOKS_INSTALLED = False
+
+
+def _live_entries(optimizer: torch.optim.Optimizer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _ENTRIES.get(id(p))
+            if entry is not None and entry.param_ref() is p and entry.master is not None:
+                yield entry
+
+
+def _pre_step(optimizer, args, kwargs):
+    for entry in _live_entries(optimizer):
+        entry.to_master()
+
+
+def _post_step(optimizer, args, kwargs):
+    for entry in _live_entries(optimizer):
+        entry.to_transfer()
+
+
+def _install_hooks() -> None:
+    global _HOOKS_INSTALLED
+    if not _HOOKS_INSTALLED:
+        torch.optim.optimizer.register_optimizer_step_pre_hook(_pre_step)
+        torch.optim.optimizer.register_optimizer_step_post_hook(_post_step)
+        _HOOKS_INSTALLED = True
+
+
+def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool) -> dict[int, WeightEntry]:
+    """Entries for the given parameters (flat index -> entry), created once per parameter."""
+    out = {}
+    for index, p in params.items():
+        entry = _ENTRIES.get(id(p))
+        if entry is None or entry.param_ref() is not p:
+            entry = _new_entry(p, names[index], pin)
+            _ENTRIES[id(p)] = entry
+            weakref.finalize(p, _ENTRIES.pop, id(p), None)
+        out[index] = entry
+    return out
+
+
+def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
+    if pin and not p.data.is_pinned():
+        p.data = p.data.pin_memory()
+    master = None
+    if p.requires_grad and p.dtype in LOW_PRECISION:
+        master = p.detach().to(torch.float32, copy=True)
+        if pin:
+            master = master.pin_memory()
+        if hasattr(p, "grad_dtype"):
+            p.grad_dtype = torch.float32
+        _install_hooks()
+    return WeightEntry(weakref.ref(p), name, master, p.data, p._version)
+
+
+def master_weight(p: nn.Parameter) -> torch.Tensor:
+    """The fp32 master of a parameter (the parameter itself when it is fp32)."""
+    entry = _ENTRIES.get(id(p))
+    if entry is not None and entry.master is not None and entry.param_ref() is p:
+        return entry.master
+    return p.detach()
