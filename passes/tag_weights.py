@@ -1,7 +1,8 @@
 """Tag each graph placeholder with its AOT flat-arg index and, for parameters, its weight group.
 
 AOTAutograd names primal inputs `primals_<k>` (1-based flat position) in the joint, forward and
-backward graphs alike, so the name is a stable key across the partition.
+backward graphs alike, so the name is a stable key across the partition; inference graphs
+(traced under no_grad) name them `arg<k>_1` (0-based).
 
     primals_7  --tag-->  primals_7 {mt_flat_index: 6, mt_weight_group: 2}
 """
@@ -14,6 +15,7 @@ import torch.fx as fx
 from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
 
 _PRIMAL = re.compile(r"^primals_(\d+)$")
+_INFERENCE_ARG = re.compile(r"^arg(\d+)_1$")
 
 
 @graph_pass("tag_weights", provides=(FLAT_INDEX,))
@@ -21,10 +23,12 @@ def tag_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        m = _PRIMAL.match(node.name)
-        if not m:
+        if m := _PRIMAL.match(node.name):
+            index = int(m.group(1)) - 1
+        elif m := _INFERENCE_ARG.match(node.name):
+            index = int(m.group(1))
+        else:
             continue
-        index = int(m.group(1)) - 1
         node.meta[FLAT_INDEX] = index
         if index in ctx.flat_groups:
             node.meta[WEIGHT_GROUP] = ctx.flat_groups[index]

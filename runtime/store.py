@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+import torch.optim.optimizer as _optim
 from torch import nn
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -105,8 +106,8 @@ def _post_step(optimizer, args, kwargs):
 def _install_hooks() -> None:
     global _HOOKS_INSTALLED
     if not _HOOKS_INSTALLED:
-        torch.optim.optimizer.register_optimizer_step_pre_hook(_pre_step)
-        torch.optim.optimizer.register_optimizer_step_post_hook(_post_step)
+        _optim.register_optimizer_step_pre_hook(_pre_step)
+        _optim.register_optimizer_step_post_hook(_post_step)
         _HOOKS_INSTALLED = True
 
 

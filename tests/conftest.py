@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny HuggingFace models built from config classes (no downloads)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+VOCAB = 128
+
+
+def tiny_config(family: str = "llama", layers: int = 2, hidden: int = 32, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128)
+    if family == "llama":
+        return LlamaConfig(**{**common, **overrides})
+    if family == "qwen3":
+        return Qwen3Config(**{**common, "head_dim": hidden // 4, "tie_word_embeddings": True, **overrides})
+    raise ValueError(family)
+
+
+def tiny_model(family: str = "llama", layers: int = 2, dtype=torch.float32, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, layers, **overrides))
+    return model.to(dtype).train()
+
+
+def batch(b: int = 2, s: int = 8, seed: int = 0, pad_left: int = 0):
+    """input_ids, attention_mask, labels; the first row gets `pad_left` padded positions."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    labels = ids.clone()
+    if pad_left:
+        mask[0, :pad_left] = 0
+        labels[0, :pad_left] = -100
+    return ids, mask, labels
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def clone():
+    return copy.deepcopy
