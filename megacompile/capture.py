@@ -10,6 +10,7 @@ most parameters. Layer kinds are NOT decided here: they come from the graph (see
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -70,7 +71,10 @@ def _current_frame_locals() -> dict[str, Any] | None:
     except ImportError:  # pragma: no cover - older torch
         return None
     tx = InstructionTranslator.current_tx()
-    return None if tx is None else tx.f_locals
+    if tx is None:
+        return None
+    root_tx = getattr(getattr(tx, "output", None), "root_tx", None) or tx  # the outermost frame
+    return root_tx.f_locals
 
 
 def _compile_reason():
@@ -91,6 +95,17 @@ def _modules_in(value: Any, depth: int = 0):
     elif depth < 2 and isinstance(value, dict):
         for v in value.values():
             yield from _modules_in(v, depth + 1)
+
+
+def compiled_model_in_stack() -> nn.Module | None:
+    """The model the user passed to torch.compile: the outermost OptimizedModule on the stack."""
+    frame, found = sys._getframe(1), None
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+            found = owner._orig_mod
+        frame = frame.f_back
+    return found
 
 
 def find_root_module(example_inputs: Sequence[Any]) -> nn.Module:
@@ -156,38 +171,65 @@ def _effective_use_cache(root: nn.Module, f_locals: dict[str, Any]) -> Any:
     return bool(value)
 
 
-def check_graph_break(capture: "ModelCapture", gm: torch.fx.GraphModule) -> None:
-    """One whole-model graph or a clear error naming the op and the place that broke it."""
-    reason = _compile_reason()
-    weights = [p for p in capture.root.parameters()]
-    present = {id(capture.params[i]) for i in capture.params}
-    missing = [p for p in weights if id(p) not in present]
-    broke = bool(getattr(reason, "graph_break", False))
-    if not broke and not missing:
-        return
-    where = ""
+def _break_site(model: nn.Module) -> tuple[str, str, str]:
+    """(reason, "file:line", place) of the graph break Dynamo recorded for this model."""
+    records = list(getattr(torch._dynamo.utils, "_compilation_metrics", ()))
+    failures = [r for r in records if getattr(r, "fail_user_frame_filename", None)]
+    owners = {}
+    for name, mod in model.named_modules():
+        fn = mod.__dict__.get("forward") or type(mod).forward
+        code = getattr(fn, "__code__", None)
+        if code is not None:
+            owners.setdefault(code.co_filename, []).append((name, mod, code))
+
+    def owners_of(rec):
+        lines = []
+        for name, mod, code in owners.get(rec.fail_user_frame_filename, []):
+            last = max((ln for _, _, ln in code.co_lines() if ln is not None), default=code.co_firstlineno)
+            if code.co_firstlineno <= rec.fail_user_frame_lineno <= last:
+                lines.append(name)
+        return lines
+
+    for rec in reversed(failures):
+        names = owners_of(rec)
+        if names:
+            break
+    else:
+        rec, names = (failures[-1], []) if failures else (None, [])
+    if rec is None:
+        return "Dynamo split the model into several graphs", "", ""
+    reason = (rec.fail_reason or "").split("\n")[0]
+    site = f"{rec.fail_user_frame_filename}:{rec.fail_user_frame_lineno}"
+    try:
+        prefix, _ = find_layer_stack(model)
+    except UnsupportedModelError:
+        prefix = None
+    layers = sorted({n for n in names if prefix and n.startswith(prefix + ".")})
+    if layers:
+        idx = sorted({n[len(prefix) + 1:].split(".")[0] for n in layers}, key=int)
+        which = f"{prefix}.{idx[0]}" if len(idx) == 1 else f"{prefix}.{{{','.join(idx)}}}"
+        place = f"inside decoder layer {which} ({', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''})"
+    elif names:
+        place = f"in {names[0] or type(model).__name__}"
+    else:
+        place = ""
+    return reason, site, place
+
+
+def raise_graph_break(model: nn.Module, reason=None) -> None:
     if reason is not None and getattr(reason, "user_stack", None):
         frame = reason.user_stack[-1]
-        where = f" at {frame.filename}:{frame.lineno} in {frame.name}()"
-        if frame.line:
-            where += f": `{frame.line.strip()}`"
-    layers_seen = sorted({inp.group - 1 for inp in capture.inputs
-                          if inp.kind == "param" and inp.group and inp.group <= capture.num_layers})
-    if layers_seen:
-        last = layers_seen[-1]
-        _, stack = find_layer_stack(capture.root)
-        layer_params = {id(p) for p in stack[last].parameters()}
-        inside = not layer_params <= present
-        place = (f"inside decoder layer {capture.layer_prefix}.{last}" if inside
-                 else f"after decoder layer {capture.layer_prefix}.{last}")
+        why = str(getattr(reason, "reason", "")).split("\n")[0]
+        site = f"{frame.filename}:{frame.lineno}"
+        _, _, place = _break_site(model)
     else:
-        place = "before the first decoder layer"
-    why = getattr(reason, "reason", "the graph did not cover every weight of the model")
+        why, site, place = _break_site(model)
     raise GraphBreakError(
-        f"Dynamo could not capture {type(capture.root).__name__} as one graph: graph break {place}{where} "
-        f"({why}). megatrain needs the whole forward in one graph to schedule weight transfers; replace the "
-        "op Dynamo cannot trace (e.g. .item(), .tolist(), print, data-dependent Python control flow) or "
-        "mark it with torch.library.custom_op."
+        f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
+        f"{' at ' + site if site else ''} ({why}). megatrain needs the whole forward in one graph to schedule "
+        "weight transfers; replace the op Dynamo cannot trace (e.g. .item(), .tolist(), print, "
+        "data-dependent Python control flow, torch._dynamo.graph_break()) or wrap it in a "
+        "torch.library.custom_op. TORCH_LOGS=graph_breaks shows every break."
     )
 
 
@@ -196,7 +238,16 @@ _LAYER_RE_CACHE: dict[str, re.Pattern] = {}
 
 def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> ModelCapture:
     """Map each graph input to its role, name and weight group."""
-    root = find_root_module(example_inputs)
+    top = compiled_model_in_stack()
+    if top is not None:
+        check_model(top, training=False, use_cache=False)
+    params_here = any(isinstance(t, nn.Parameter) for t in example_inputs)
+    root = find_root_module(example_inputs) if params_here or top is None else None
+    if top is not None and root is not top:
+        raise_graph_break(top)  # Dynamo is compiling a frame nested inside the model
+    reason = _compile_reason()
+    if getattr(reason, "graph_break", False):
+        raise_graph_break(root, reason)
     f_locals = _current_frame_locals() or {}
     check_model(root, training=root.training and torch.is_grad_enabled(),
                 use_cache=_effective_use_cache(root, f_locals))
@@ -232,7 +283,6 @@ def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> M
 
     capture = ModelCapture(root, inputs, prefix, num_layers, params)
     _assign_outer_groups(capture, gm, placeholders)
-    check_graph_break(capture, gm)
     return capture
 
 

@@ -251,7 +251,11 @@ def _convert_to_cache(gguf_path: Path, cache: Path, fingerprint: dict) -> None:
         tokenizer.save_pretrained(staging)
         (staging / _MARKER).write_text(json.dumps(fingerprint, indent=2))  # last: marks it complete
         if cache.exists():
-            shutil.rmtree(cache)  # stale or incomplete
+            # Replace a stale cache of ours; never delete a folder we did not write.
+            if not (cache / _MARKER).is_file() and any(cache.iterdir()):
+                raise FileExistsError(f"{cache} exists and is not a megatrain model cache; "
+                                      f"choose another cache_dir or $MEGATRAIN_CACHE")
+            shutil.rmtree(cache)
         try:
             os.replace(staging, cache)
         except OSError:

@@ -1,0 +1,57 @@
+"""Identical decoder layers lower one forward and one backward body, whatever the depth."""
+from __future__ import annotations
+
+import torch
+
+import megacompile
+from conftest import batch, tiny_model
+from megacompile.backend import programs_of
+
+
+def compile_and_step(layers, family="llama"):
+    model = tiny_model(family, layers=layers)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids, _, labels = batch(2, 8)
+    cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    return model, cmodel
+
+
+def test_twelve_identical_layers_lower_one_body_each_way():
+    _, cmodel = compile_and_step(12)
+    s = megacompile.stats(cmodel)
+    assert s["distinct_layer_bodies"] == 1
+    assert s["distinct_backward_layer_bodies"] == 1
+    # prologue (masks, rotary tables) + embedding + layer + head
+    assert s["distinct_bodies"] == {"forward": 4, "backward": 4}
+    assert s["segments"]["forward"] == 12 + 3
+
+
+def test_depth_does_not_change_the_number_of_bodies():
+    _, c3 = compile_and_step(3, "qwen3")
+    _, c12 = compile_and_step(12, "qwen3")
+    assert megacompile.stats(c3)["distinct_bodies"] == megacompile.stats(c12)["distinct_bodies"]
+
+
+def test_layers_of_different_shape_are_not_merged():
+    model = tiny_model("llama", layers=3)
+    # make layer 1 wider in its MLP: structurally different, must get its own body
+    import torch.nn as nn
+    mlp = model.model.layers[1].mlp
+    mlp.gate_proj = nn.Linear(32, 96, bias=False)
+    mlp.up_proj = nn.Linear(32, 96, bias=False)
+    mlp.down_proj = nn.Linear(96, 32, bias=False)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids, _, labels = batch(2, 8)
+    cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    s = megacompile.stats(cmodel)
+    assert s["distinct_layer_bodies"] == 2 and s["distinct_backward_layer_bodies"] == 2
+
+
+def test_disabling_dedupe_lowers_one_body_per_segment():
+    model = tiny_model("llama", layers=3)
+    cmodel = torch.compile(model, backend="megatrain",
+                           options={"device": "cpu", "disable_passes": ["dedupe_bodies"]})
+    ids, _, labels = batch(2, 8)
+    cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+    assert megacompile.stats(cmodel)["distinct_layer_bodies"] == 3
+    assert programs_of(model)[0].pass_records["forward"][4] == ("dedupe_bodies", "disabled", None)

@@ -1,0 +1,99 @@
+"""Bad input gets a clear error that says what to change."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import megacompile
+from conftest import batch, tiny_model
+
+
+def raised(excinfo, kind):
+    """Dynamo wraps backend errors in BackendCompilerFailed; ours must be the inner cause."""
+    err = excinfo.value
+    inner = getattr(err, "inner_exception", err)
+    assert isinstance(inner, kind), repr(err)
+    return str(inner)
+
+
+def test_encoder_decoder_model_is_refused():
+    from transformers import T5Config, T5ForConditionalGeneration
+    model = T5ForConditionalGeneration(T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=1,
+                                                num_decoder_layers=1, num_heads=4)).train()
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids = torch.randint(0, 128, (2, 6))
+    with pytest.raises(Exception) as e:
+        cmodel(input_ids=ids, labels=ids, use_cache=False)
+    msg = raised(e, megacompile.UnsupportedModelError)
+    assert "encoder-decoder" in msg and "t5" in msg and "ForCausalLM" in msg
+
+
+class NoLayerStack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block_a = nn.Linear(16, 16)
+        self.block_b = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids):
+        return self.head(torch.relu(self.block_b(torch.relu(self.block_a(self.embed(input_ids)))))).sum()
+
+
+def test_model_without_layer_stack_is_refused():
+    cmodel = torch.compile(NoLayerStack(), backend="megatrain", options={"device": "cpu"})
+    with pytest.raises(Exception) as e:
+        cmodel(torch.randint(0, 32, (2, 5)))
+    msg = raised(e, megacompile.UnsupportedModelError)
+    assert "could not find the decoder layers of NoLayerStack" in msg and "nn.ModuleList" in msg
+
+
+def test_graph_break_inside_a_layer_names_the_op_and_the_layer():
+    model = tiny_model("llama", layers=3)
+    mlp = model.model.layers[1].mlp
+    original = mlp.forward
+
+    def forward_with_break(x):
+        torch._dynamo.graph_break()
+        return original(x)
+
+    mlp.forward = forward_with_break
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids, _, labels = batch()
+    with pytest.raises(Exception) as e:
+        cmodel(input_ids=ids, labels=labels, use_cache=False)
+    msg = raised(e, megacompile.GraphBreakError)
+    assert "inside decoder layer model.layers.1" in msg
+    assert "test_errors.py" in msg and "graph_break" in msg
+
+
+def test_use_cache_during_training_is_refused():
+    model = tiny_model("llama", layers=2)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids, _, labels = batch()
+    with pytest.raises(Exception) as e:
+        cmodel(input_ids=ids, labels=labels, use_cache=True)
+    assert "use_cache=False" in raised(e, megacompile.UnsupportedModelError)
+
+
+def test_unknown_option_suggests_the_closest():
+    model = tiny_model("llama", layers=2)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "slot": 3})
+    ids, _, labels = batch()
+    with pytest.raises(Exception) as e:
+        cmodel(input_ids=ids, labels=labels, use_cache=False)
+    assert "Did you mean 'slots'" in raised(e, megacompile.ConfigError)
+
+
+@pytest.mark.parametrize("bad", [{"slots": 0}, {"device": "tpu"}, {"device": "cuda:0"}])
+def test_impossible_option_values(bad):
+    if bad.get("device", "").startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with pytest.raises(megacompile.ConfigError):
+        megacompile.Options.from_mapping(bad)
+
+
+def test_default_device_follows_availability():
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert megacompile.Options.from_mapping({}).device == expected
