@@ -1,8 +1,10 @@
 """Device weight pool: holds the weights of at most `slots` segments on the device.
 
-`fetch` copies a segment's transfer copies into one flat device buffer (one allocation per
-segment, so identical layers reuse the same allocator block) and hands out views; `evict`
-drops the buffer. On CUDA the copy runs on a dedicated stream and `wait` makes the compute
+`fetch` copies a segment's transfer copies into one flat device buffer and hands out views;
+`evict` releases the buffer. On CUDA the caching allocator recycles the block (identical layers
+ask for identical sizes). On the CPU a fresh large allocation is a fresh mmap whose pages fault
+in on first touch, so the pool recycles released buffers itself, but only when no view of the
+old weights survives (a surviving view would otherwise see the next layer's weights). On CUDA the copy runs on a dedicated stream and `wait` makes the compute
 stream wait on its event; on the CPU copies are synchronous and `wait` is free.
 """
 from __future__ import annotations
@@ -39,6 +41,7 @@ class DeviceWeightPool:
         self.resident: dict[int, Resident] = {}
         self.counters = PoolCounters()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._free: dict[int, list[torch.Tensor]] = {}  # CPU only: released buffers by size
 
     def reset_counters(self) -> None:
         self.counters = PoolCounters(resident_bytes=self.counters.resident_bytes,
@@ -54,7 +57,7 @@ class DeviceWeightPool:
         for i, src in sources.items():
             offsets[i] = total
             total += -(-src.numel() * src.element_size() // _ALIGN) * _ALIGN
-        buffer = torch.empty(total, dtype=torch.uint8, device=self.device)
+        buffer = self._allocate(total)
         views = {}
         stream = self.copy_stream
         if stream is not None:
@@ -88,6 +91,20 @@ class DeviceWeightPool:
     def evict(self, key: int) -> None:
         res = self.resident.pop(key)
         self.counters.resident_bytes -= res.nbytes
+        if self.copy_stream is None:
+            res.views.clear()
+            free = self._free.setdefault(res.buffer.numel(), [])
+            if len(free) < self.slots:
+                free.append(res.buffer)
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        free = self._free.get(nbytes)
+        while free:
+            buffer = free.pop()
+            # 2 references: `buffer` and the storage's own; more means a view of old weights lives
+            if torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) <= 2:
+                return buffer
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def check_resident(self, key: int, index: int, tensor: torch.Tensor, name: str) -> None:
         """Debug check: `tensor` is a live view of a resident segment, never freed memory."""
