@@ -49,12 +49,12 @@ _PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, list[Program]]" = weakref
 class Program:
     """Everything compiled for one Dynamo graph: the runners, the pool and the step figures."""
 
-    def __init__(self, capture: ModelCapture, options: Options):
+    def __init__(self, capture: ModelCapture, params: dict[int, torch.nn.Parameter], options: Options):
         self.options = options
         self.capture = capture
         device = options.torch_device
         names = {inp.index: inp.name for inp in capture.inputs}
-        self.entries = store.register(capture.params, names, pin=device.type == "cuda")
+        self.entries = store.register(params, names, pin=device.type == "cuda")
         self.pool = DeviceWeightPool(device, options.slots)
         self.runners: dict[str, DirectionRunner] = {}
         self.pass_records: dict[str, list] = {}
@@ -143,8 +143,8 @@ class Program:
 def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_ignored):
     """TorchDynamo backend entry point (registered as "megatrain" via entry points)."""
     opts = Options.from_mapping(options)
-    capture = capture_inputs(gm, example_inputs)
-    program = Program(capture, opts)
+    capture, params = capture_inputs(gm, example_inputs)
+    program = Program(capture, params, opts)
     compiled = aot_module_simplified(
         gm,
         example_inputs,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -35,11 +36,17 @@ class GraphInput:
 
 @dataclass
 class ModelCapture:
-    root: nn.Module
+    root_ref: "weakref.ref[nn.Module]"  # weak: compiled programs must not keep the model alive
     inputs: list[GraphInput]
     layer_prefix: str
     num_layers: int
-    params: dict[int, nn.Parameter] = field(default_factory=dict)  # flat index -> Parameter
+
+    @property
+    def root(self) -> nn.Module:
+        root = self.root_ref()
+        if root is None:  # pragma: no cover
+            raise RuntimeError("the compiled model no longer exists")
+        return root
 
     @property
     def head_group(self) -> int:
@@ -236,8 +243,10 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
 _LAYER_RE_CACHE: dict[str, re.Pattern] = {}
 
 
-def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> ModelCapture:
-    """Map each graph input to its role, name and weight group."""
+def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+                   ) -> tuple[ModelCapture, dict[int, nn.Parameter]]:
+    """Map each graph input to its role, name and weight group; also return the parameters
+    by flat index (for the weight store, which holds them weakly)."""
     top = compiled_model_in_stack()
     if top is not None:
         check_model(top, training=False, use_cache=False)
@@ -281,9 +290,9 @@ def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> M
         else:
             inputs.append(GraphInput(i, "symint", node.name))
 
-    capture = ModelCapture(root, inputs, prefix, num_layers, params)
+    capture = ModelCapture(weakref.ref(root), inputs, prefix, num_layers)
     _assign_outer_groups(capture, gm, placeholders)
-    return capture
+    return capture, params
 
 
 def _assign_outer_groups(capture: ModelCapture, gm: torch.fx.GraphModule, placeholders) -> None:

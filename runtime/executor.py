@@ -74,6 +74,7 @@ class DirectionRunner:
     def __init__(self, direction: str, top: fx.GraphModule, program):
         self.direction = direction
         self.program = program
+        self.graph = top  # the split graph, kept for inspection
         self.schedule: Schedule = top.meta[SCHEDULE]
         self.device: torch.device = program.options.torch_device
         self.placeholders: list[tuple[str, int | None]] = []
@@ -101,10 +102,11 @@ class DirectionRunner:
             for name, weight in c.inputs:
                 if weight is None:
                     self.last_use[name] = k
-        for name in self.output_spec:
-            if isinstance(name, str):
-                self.last_use[name] = _ALWAYS
+        # gradients delivered to param.grad leave the device at their grad_offload step
         self.offloaded = {name for seg in self.schedule.segments for _, name in seg.grads}
+        for name in self.output_spec:
+            if isinstance(name, str) and name not in self.offloaded:
+                self.last_use[name] = _ALWAYS
 
     # ------------------------------------------------------------------------------
     def __call__(self, args: list):
@@ -149,20 +151,21 @@ class DirectionRunner:
                         inputs.append(views[weight])
                 if debug:
                     _check_inputs_have_storage(inputs, call, k)
+                before = self._live(env) + pool.counters.resident_bytes
                 outs = call.body(*inputs)
                 for name, value in zip(call.outputs, outs):
                     env[name] = value
-                live = self._live(env) + pool.counters.resident_bytes
-                peak = max(peak, live + self.transient[self.body_of[k]])
+                after = self._live(env) + pool.counters.resident_bytes
+                peak = max(peak, before + self.transient[self.body_of[k]], after)
                 for name, _ in call.inputs:
                     if self.last_use.get(name) == k:
                         env.pop(name, None)
                 for name in call.outputs:
-                    if name not in self.last_use:
+                    if name not in self.last_use and name not in self.offloaded:
                         env.pop(name, None)
             elif step.op == "grad_offload":
                 for index, name in seg.grads:
-                    grad = env.pop(name) if self.last_use.get(name, -1) is not _ALWAYS else env[name]
+                    grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
                     grads_bytes += entries[index].accumulate_grad(grad)
         result = []
         for spec in self.output_spec:

@@ -27,7 +27,7 @@ class WeightEntry:
     param_ref: "weakref.ref[nn.Parameter]"
     name: str
     master: torch.Tensor | None     # fp32 master when the transfer copy is low precision
-    transfer: torch.Tensor          # compute-dtype host copy the device reads
+    transfer: torch.Tensor | None   # its compute-dtype host copy (None: the parameter is both)
     synced_version: int = 0         # p._version when transfer and master last agreed
 
     @property
@@ -39,7 +39,9 @@ class WeightEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.transfer.numel() * self.transfer.element_size()
+        """Bytes one transfer of this weight moves."""
+        p = self.param  # (no `.data` here: this runs under FakeTensorMode during compilation)
+        return p.numel() * (p.element_size() if self.transfer is None else self.transfer.element_size())
 
     @property
     def trainable(self) -> bool:
@@ -135,7 +137,7 @@ def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
         if hasattr(p, "grad_dtype"):
             p.grad_dtype = torch.float32
         _install_hooks()
-    return WeightEntry(weakref.ref(p), name, master, p.data, p._version)
+    return WeightEntry(weakref.ref(p), name, master, p.data if master is not None else None, p._version)
 
 
 def master_weight(p: nn.Parameter) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""Layer-boundary recomputation: the backward receives only boundary activations and weights."""
+from __future__ import annotations
+
+import torch
+
+from conftest import batch, tiny_model
+from megacompile.backend import programs_of
+from megacompile.passes import WEIGHT_GROUP
+
+
+def saved_for_backward(layers, b=2, s=8):
+    torch._dynamo.reset()  # static shapes for each model, so sizes below are plain ints
+    model = tiny_model("llama", layers=layers)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids, mask, labels = batch(b, s, pad_left=1)
+    cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    graph = programs_of(model)[0].runners["backward"].graph
+    phs = [n for n in graph.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    weights = [n for n in phs if WEIGHT_GROUP in n.meta]
+    activations = [n for n in phs if WEIGHT_GROUP not in n.meta]
+    return model, weights, activations
+
+
+def test_only_boundary_hidden_states_are_saved():
+    model, weights, activations = saved_for_backward(layers=4)
+    hidden = [n for n in activations if isinstance(n.meta.get("val"), torch.Tensor)
+              and tuple(n.meta["val"].shape) == (2, 8, 32)]
+    # the embedding output and each layer's output: nothing from inside a layer
+    assert len(hidden) == 4 + 1
+    # (attention's RNG state is saved so the recompute replays the same dropout mask)
+    big = [n for n in activations if isinstance(n.meta.get("val"), torch.Tensor)
+           and n.meta["val"].numel() >= 2 * 8 * 32 and n not in hidden and not n.name.startswith("rng_state")]
+    assert not big, [n.name for n in big]
+
+
+def test_weights_are_saved_as_primals_not_derived_views():
+    model, weights, activations = saved_for_backward(layers=2)
+    shapes = {tuple(str(d) for d in p.shape) for p in model.parameters() if p.dim() == 2}
+    transposed = {s[::-1] for s in shapes} - shapes
+    for n in activations:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            shape = tuple(str(d) for d in val.shape)
+            assert shape not in transposed, f"{n.name} looks like a transposed weight"
+    assert all(n.name.startswith("primals_") for n in weights)
+
+
+def test_saved_activations_grow_by_one_boundary_per_layer():
+    _, _, a3 = saved_for_backward(layers=3)
+    _, _, a9 = saved_for_backward(layers=9)
+
+    rng_bytes = torch.get_rng_state().numel()  # RNG state sizes are unbacked symbols in the graph
+
+    def nbytes(nodes):
+        return sum(rng_bytes if n.name.startswith("rng_state") else
+                   n.meta["val"].numel() * n.meta["val"].element_size() for n in nodes
+                   if isinstance(n.meta.get("val"), torch.Tensor))
+    per_layer = (nbytes(a9) - nbytes(a3)) / 6
+    boundary = 2 * 8 * 32 * 4
+    assert per_layer == boundary + rng_bytes  # one hidden state and the attention RNG state
