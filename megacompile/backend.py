@@ -37,8 +37,9 @@ from .runtime import store
 from .runtime.executor import DirectionRunner
 from .runtime.weight_pool import DeviceWeightPool
 
+# retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
 JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries]
-DIRECTION_PASSES = [tag_weights, retarget_device, layer_regions, split_segments, dedupe_bodies, schedule]
+DIRECTION_PASSES = [tag_weights, layer_regions, split_segments, dedupe_bodies, schedule]
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
@@ -145,9 +146,15 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = Options.from_mapping(options)
     capture, params = capture_inputs(gm, example_inputs)
     program = Program(capture, params, opts)
+    trace_inputs = example_inputs
+    if opts.torch_device.type != "cpu":
+        # Trace forward/backward as they will run: device constants and fake inputs on the
+        # accelerator, so AOTAutograd selects its kernels (the host copy stays the source).
+        gm = run_pipeline(gm, [retarget_device], program.context("dynamo"))
+        trace_inputs = fake_inputs_on(gm, example_inputs, opts.torch_device)
     compiled = aot_module_simplified(
         gm,
-        example_inputs,
+        trace_inputs,
         fw_compiler=lambda g, _inputs: program.compile("forward", g),
         bw_compiler=lambda g, _inputs: program.compile("backward", g),
         partition_fn=program.partition,
@@ -155,6 +162,22 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     )
     _PROGRAMS.setdefault(capture.root, []).append(program)
     return compiled
+
+
+def fake_inputs_on(gm: fx.GraphModule, example_inputs, device: torch.device) -> list:
+    """Fake copies of the graph inputs on `device`, keeping Dynamo's symbolic sizes."""
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    out = []
+    with fake_mode:
+        for node, real in zip(placeholders, example_inputs):
+            ev = node.meta.get("example_value")
+            if isinstance(real, torch.Tensor) and isinstance(ev, torch.Tensor):
+                fake = torch.empty_strided(ev.size(), ev.stride(), dtype=ev.dtype, device=device)
+                out.append(fake.requires_grad_(real.requires_grad))
+            else:
+                out.append(ev if ev is not None else real)
+    return out
 
 
 def programs_of(model: torch.nn.Module) -> list[Program]:
