@@ -3,11 +3,10 @@
 Layout per trainable parameter `p` of compute dtype `c` (the dtype Dynamo traced):
   * c == float32: `p.data` is the master AND the transfer copy (nothing duplicated).
   * c is bf16/fp16: `p.data` stays the compute-dtype transfer copy (so Dynamo's dtype guards
-    hold and no recompile happens), an fp32 master lives beside it, and `p.grad` is fp32
-    (`p.grad_dtype = float32`). Around every `optimizer.step()` (global optimizer hooks) the
-    parameter is switched to its fp32 master, so a plain `torch.optim.AdamW` updates fp32
-    masters with fp32 state; afterwards the transfer copy is refreshed from the master, so the
-    next forward never reads stale weights.
+    hold and no recompile happens), an fp32 master lives beside it, and `p.grad` is fp32.
+    Around every `optimizer.step()` (global optimizer hooks) the parameter is switched to its
+    fp32 master, so a plain `torch.optim.AdamW` updates fp32 masters with fp32 state; afterwards
+    the transfer copy is refreshed from the master, so the next forward never reads stale weights.
 On CUDA the transfer copies are pinned so host-to-device copies are asynchronous.
 """
 from __future__ import annotations
@@ -59,10 +58,18 @@ class WeightEntry:
         want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
         if host.dtype != want:
             host = host.to(want)
-        if p.grad is None:
-            p.grad = host if host.is_contiguous() else host.contiguous()
-        else:
+        if p.grad is not None:
             p.grad.add_(host)
+        elif host.dtype == p.dtype:
+            p.grad = host.contiguous()
+        else:
+            # A grad must match its tensor's dtype when assigned, so assign the fp32 grad while the
+            # parameter shows its fp32 master; it survives the switch back to the transfer copy.
+            # (Works on every torch we support; `grad_dtype` exists only in recent releases.)
+            transfer = p.data
+            p.data = self.master
+            p.grad = host.contiguous()
+            p.data = transfer
         return moved
 
     # optimizer hooks ---------------------------------------------------------------
@@ -134,8 +141,6 @@ def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
         master = p.detach().to(torch.float32, copy=True)
         if pin:
             master = master.pin_memory()
-        if hasattr(p, "grad_dtype"):
-            p.grad_dtype = torch.float32
         _install_hooks()
     return WeightEntry(weakref.ref(p), name, master, p.data if master is not None else None, p._version)
 

@@ -62,6 +62,23 @@ def test_gradient_accumulation_adds_into_param_grad():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_gradients_are_fp32_and_accumulate():
+    model = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    expected = [torch.zeros(p.shape) for p in ref.parameters()]
+    for seed in (1, 2):
+        ids, _, labels = batch(2, 8, seed=seed)
+        cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        ref(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        for e, q in zip(expected, ref.parameters()):
+            e += q.grad.float()
+            q.grad = None
+    for p, e in zip(model.parameters(), expected):
+        assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, e, rtol=2e-2, atol=2e-3)
+
+
 class _Fp32MasterReference:
     """Eager reference for a bf16 model: bf16 compute, fp32 grads, fp32 masters and AdamW state."""
 
