@@ -73,6 +73,7 @@ class Program:
             weight_nbytes={i: e.nbytes for i, e in self.entries.items()},
             slots=self.options.slots,
             module_groups=self.capture.module_groups(),
+            recompute_head=self.options.recompute_head,
             disabled=self.options.disable_passes,
             debug=self.options.debug_passes,
         )

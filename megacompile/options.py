@@ -28,6 +28,10 @@ class Options:
     #: Verify before every body that each weight it reads is resident (catches use-after-evict,
     #: which on a real accelerator would read freed memory).
     debug_residency: bool = False
+    #: Recompute the head (final norm, LM head, loss) in the backward instead of keeping what the
+    #: min-cut partitioner saves (typically the logits: batch x seq x vocab). Saves device memory
+    #: at large vocabularies for one more LM-head matmul per step.
+    recompute_head: bool = False
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

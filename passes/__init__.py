@@ -29,6 +29,7 @@ class PassContext:
     weight_nbytes: dict[int, int] = dataclasses.field(default_factory=dict)  # flat index -> bytes moved
     slots: int = 2                      # weight groups resident on the device at once
     module_groups: dict[str, int] = dataclasses.field(default_factory=dict)  # module FQN -> weight group
+    recompute_head: bool = False        # also recompute the head (logits) in the backward
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

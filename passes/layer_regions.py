@@ -9,8 +9,9 @@ rank: forward runs embed(0), layers 1..N, head(N+1); backward runs them in rever
     goes where its module says (layer k+1's input RMSNorm statistics, computed from layer k's
     output, belong to layer k+1), otherwise to the ASAP rank.
   * A weight-free node (masks, rotary tables, symbolic sizes, recompute from a saved boundary)
-    runs in its consumers' segment if they share one, otherwise in the prologue (rank -1), so
-    that all decoder layers get the same structure and identical layers dedupe to one body.
+    used by several segments runs in the prologue (rank -1), so that all decoder layers get the
+    same structure and identical layers dedupe to one body. Used by one segment, it runs there,
+    or earlier if its module belongs to an earlier segment.
 
 Ranks never decrease along an edge, so segments in rank order are a valid schedule.
 
@@ -82,8 +83,15 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             pref = preferred_group(n, ctx)
             pref = group_rank(pref, ctx) if pref is not None else None
             rank[n] = pref if pref is not None and asap[n] <= pref <= alap else asap[n]
+        elif len(user_ranks) == 1:
+            # one consumer segment: run there, or earlier where the module says it belongs
+            # (the head's norm backward, computed from values the head saved)
+            alap = user_ranks.pop()
+            pref = preferred_group(n, ctx)
+            pref = group_rank(pref, ctx) if pref is not None else None
+            rank[n] = pref if pref is not None and pref <= alap else alap
         else:
-            rank[n] = user_ranks.pop() if len(user_ranks) == 1 else PROLOGUE
+            rank[n] = PROLOGUE
     # Multi-output ops: getitems stay with their producer so tuples never cross segments.
     for n in nodes:
         if n.op == "call_function" and n.target is operator.getitem and n.args[0] in rank:

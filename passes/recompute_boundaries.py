@@ -4,7 +4,9 @@ Runs on AOTAutograd's joint graph before the min-cut partitioner. Every forward 
 g is tagged MUST_RECOMPUTE with `ac_graph_id = g`; the partitioner's own cleanup turns a tagged
 node whose user lies in a later id into MUST_SAVE, so what is saved is exactly the boundary
 tensors (plus weight-free prologue values such as rotary tables and masks, which the min-cut
-decides). Weights are primals, so the backward reads them as primals and re-derives transposes
+decides). The head (final norm, LM head, loss) is left to the min-cut unless
+`recompute_head` is set: recomputing the logits costs a vocabulary-sized matmul per step, keeping
+them costs batch x sequence x vocabulary bytes. Weights are primals, so the backward reads them as primals and re-derives transposes
 (`t(w)`) itself instead of keeping a transposed copy alive.
 
     fwd:  h_i = layer_i(h_{i-1}, W_i)       bwd:  recompute layer_i from h_{i-1}, W_i
@@ -32,10 +34,16 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
 
 @graph_pass("recompute_boundaries", requires=(GROUP,), provides=("recompute", "ac_graph_id"))
 def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    for n in forward_nodes(gm):
+    fwd = forward_nodes(gm)
+    for n in fwd:
         group = n.meta.get(GROUP, PROLOGUE)
-        if group == PROLOGUE:
+        if group == PROLOGUE or (group == ctx.num_groups - 1 and not ctx.recompute_head):
             continue
         n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         n.meta["ac_graph_id"] = group
+        # A value read by a later segment is that segment's boundary input: save it, so every
+        # segment's backward recomputes from its own inputs only (and identical layers stay
+        # identical even when the head is not recomputed).
+        if any(u in fwd and u.meta.get(GROUP, PROLOGUE) > group for u in n.users):
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm

@@ -54,4 +54,4 @@ def test_disabling_dedupe_lowers_one_body_per_segment():
     ids, _, labels = batch(2, 8)
     cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
     assert megacompile.stats(cmodel)["distinct_layer_bodies"] == 3
-    assert programs_of(model)[0].pass_records["forward"][4] == ("dedupe_bodies", "disabled", None)
+    assert ("dedupe_bodies", "disabled", None) in programs_of(model)[0].pass_records["forward"]

@@ -8,10 +8,10 @@ from megacompile.backend import programs_of
 from megacompile.passes import WEIGHT_GROUP
 
 
-def saved_for_backward(layers, b=2, s=8):
+def saved_for_backward(layers, b=2, s=8, **options):
     torch._dynamo.reset()  # static shapes for each model, so sizes below are plain ints
     model = tiny_model("llama", layers=layers)
-    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **options})
     ids, mask, labels = batch(b, s, pad_left=1)
     cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
     graph = programs_of(model)[0].runners["backward"].graph
@@ -22,7 +22,7 @@ def saved_for_backward(layers, b=2, s=8):
 
 
 def test_only_boundary_hidden_states_are_saved():
-    model, weights, activations = saved_for_backward(layers=4)
+    model, weights, activations = saved_for_backward(layers=4, recompute_head=True)
     hidden = [n for n in activations if isinstance(n.meta.get("val"), torch.Tensor)
               and tuple(n.meta["val"].shape) == (2, 8, 32)]
     # the embedding output and each layer's output: nothing from inside a layer
@@ -31,6 +31,17 @@ def test_only_boundary_hidden_states_are_saved():
     big = [n for n in activations if isinstance(n.meta.get("val"), torch.Tensor)
            and n.meta["val"].numel() >= 2 * 8 * 32 and n not in hidden and not n.name.startswith("rng_state")]
     assert not big, [n.name for n in big]
+
+
+def test_head_saves_do_not_depend_on_depth():
+    """By default the min-cut decides what the head keeps; that set must not grow with depth."""
+    _, _, a2 = saved_for_backward(layers=2)
+    _, _, a5 = saved_for_backward(layers=5)
+    non_layer = lambda acts: sorted(str(tuple(n.meta["val"].shape)) for n in acts  # noqa: E731
+                                    if isinstance(n.meta.get("val"), torch.Tensor)
+                                    and tuple(n.meta["val"].shape) != (2, 8, 32)
+                                    and not n.name.startswith("rng_state"))
+    assert non_layer(a2) == non_layer(a5)
 
 
 def test_weights_are_saved_as_primals_not_derived_views():
