@@ -30,13 +30,16 @@ def build(args) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg)
 
 
-def time_steps(step_fn, steps: int, warmup: int) -> list[float]:
-    times = []
+def time_interleaved(steps_by_name: dict, steps: int, warmup: int) -> dict[str, list[float]]:
+    """Round-robin one step of each configuration at a time, so drift in the machine's speed
+    (other processes, thermal) hits all of them alike."""
+    times = {name: [] for name in steps_by_name}
     for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        step_fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+        for name, step in steps_by_name.items():
+            t0 = time.perf_counter()
+            step()
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -68,17 +71,13 @@ def main() -> None:
           f"{sum(q.numel() for q in base.parameters()) / 1e6:.1f}M params; batch {ARGS.batch} x seq {ARGS.seq}; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
-    results = {}
     eager = copy.deepcopy(base).train()
-    results["eager"] = time_steps(make_step(eager, eager), ARGS.steps, ARGS.warmup)
-
     ckpt = copy.deepcopy(base).train()
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    results["eager+ckpt"] = time_steps(make_step(ckpt, ckpt), ARGS.steps, ARGS.warmup)
-
     mt = copy.deepcopy(base).train()
     cmodel = torch.compile(mt, backend="megatrain", options={"device": "cpu"})
-    results["megatrain"] = time_steps(make_step(mt, cmodel), ARGS.steps, ARGS.warmup)
+    results = time_interleaved({"eager": make_step(eager, eager), "eager+ckpt": make_step(ckpt, ckpt),
+                                "megatrain": make_step(mt, cmodel)}, ARGS.steps, ARGS.warmup)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     tokens = ARGS.batch * ARGS.seq
