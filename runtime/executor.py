@@ -9,6 +9,7 @@ byte accounting that `megacompile.stats` reports.
 from __future__ import annotations
 
 import math
+import operator
 import time
 from dataclasses import dataclass
 
@@ -23,6 +24,7 @@ from ..passes.split_segments import SEGMENT
 from .weight_pool import DeviceWeightPool
 
 _ALWAYS = math.inf
+_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 
 @dataclass
@@ -44,6 +46,9 @@ def _transient_bytes(body: fx.GraphModule) -> int:
         return int(d)
 
     def size(n: fx.Node) -> int:
+        # views and getitems alias memory already counted at their producer
+        if n.target is operator.getitem or n.target in _ALIASING or getattr(n.target, "is_view", False):
+            return 0
         val = n.meta.get("val")
         vals = val if isinstance(val, (list, tuple)) else [val]
         return sum(math.prod(dim(d) for d in v.shape) * v.element_size()

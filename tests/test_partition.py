@@ -1,6 +1,7 @@
 """Layer-boundary recomputation: the backward receives only boundary activations and weights."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import batch, tiny_model
@@ -8,9 +9,9 @@ from megacompile.backend import programs_of
 from megacompile.passes import WEIGHT_GROUP
 
 
-def saved_for_backward(layers, b=2, s=8, **options):
+def saved_for_backward(layers, b=2, s=8, family="llama", **options):
     torch._dynamo.reset()  # static shapes for each model, so sizes below are plain ints
-    model = tiny_model("llama", layers=layers)
+    model = tiny_model(family, layers=layers)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **options})
     ids, mask, labels = batch(b, s, pad_left=1)
     cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
@@ -44,10 +45,11 @@ def test_head_saves_do_not_depend_on_depth():
     assert non_layer(a2) == non_layer(a5)
 
 
-def test_weights_are_saved_as_primals_not_derived_views():
-    model, weights, activations = saved_for_backward(layers=2)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # qwen3: tied embedding / LM head
+def test_weights_are_saved_as_primals_not_derived_views(family):
+    model, weights, activations = saved_for_backward(layers=2, b=3, family=family)  # 24 tokens: no shape clash
     shapes = {tuple(str(d) for d in p.shape) for p in model.parameters() if p.dim() == 2}
-    transposed = {s[::-1] for s in shapes} - shapes
+    transposed = {s[::-1] for s in shapes} | shapes
     for n in activations:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor):

@@ -1,0 +1,70 @@
+"""Unit tests of individual passes on hand-built graphs."""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from megacompile.passes import GROUP, PassContext, run_pipeline
+from megacompile.passes.layer_regions import PROLOGUE, layer_regions
+from megacompile.passes.recompute_boundaries import recompute_boundaries
+from megacompile.passes.tag_weights import tag_weights
+
+aten = torch.ops.aten
+
+
+def joint_graph():
+    """x -> [layer: mm(x, t(w1))] -> [head: mm(h, t(w2))] -> output; w2's transpose is weight-only."""
+    g = fx.Graph()
+    w1 = g.placeholder("primals_1")
+    w2 = g.placeholder("primals_2")
+    x = g.placeholder("primals_3")
+    g.placeholder("tangents_1")
+    t = g.call_function(aten.t.default, (w1,), name="t")
+    h = g.call_function(aten.mm.default, (x, t), name="mm")
+    r = g.call_function(aten.relu.default, (h,), name="relu")
+    t_1 = g.call_function(aten.t.default, (w2,), name="t_1")
+    out = g.call_function(aten.mm.default, (r, t_1), name="mm_1")
+    g.output((out,))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def ctx(**kw):
+    # groups: 0 embed (unused here), 1 the layer, 2 the head
+    return PassContext(direction="joint", num_groups=3, flat_groups={0: 1, 1: 2}, **kw)
+
+
+def test_layer_regions_follow_the_weights():
+    gm = run_pipeline(joint_graph(), [tag_weights, layer_regions], ctx())
+    groups = {n.name: n.meta.get(GROUP) for n in gm.graph.nodes if n.op == "call_function"}
+    assert groups["mm"] == 1 and groups["relu"] == 1 and groups["mm_1"] == 2
+    assert PROLOGUE not in groups.values()
+
+
+def test_weight_only_nodes_are_always_recomputed_never_boundaries():
+    gm = run_pipeline(joint_graph(), [tag_weights, layer_regions, recompute_boundaries], ctx())
+    nodes = {n.name: n for n in gm.graph.nodes}
+    for t in ("t", "t_1"):  # t(w1) in the layer, t(w2) in the head (which is not recomputed)
+        assert nodes[t].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+        assert "ac_graph_id" not in nodes[t].meta
+    # the layer's output feeds the head: a boundary, saved
+    assert nodes["relu"].meta["recompute"] == CheckpointPolicy.MUST_SAVE
+    assert nodes["mm"].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert "recompute" not in nodes["mm_1"].meta  # the head is left to the min-cut by default
+
+
+def test_recompute_head_option_tags_the_head():
+    gm = run_pipeline(joint_graph(), [tag_weights, layer_regions, recompute_boundaries],
+                      ctx(recompute_head=True))
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert nodes["mm_1"].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
+    assert nodes["mm_1"].meta["ac_graph_id"] == 2
+
+
+def test_disabled_pass_is_recorded_and_contracts_are_checked():
+    import pytest
+    from megacompile.passes import ContractError
+    c = ctx(disabled=("layer_regions",))
+    with pytest.raises(ContractError, match="requires node tags"):
+        run_pipeline(joint_graph(), [tag_weights, layer_regions, recompute_boundaries], c)
+    assert ("layer_regions", "disabled", None) in c.records
