@@ -1,0 +1,70 @@
+"""`megatrain inspect`: real capture and passes on a meta-device model, several output formats."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import tiny_config
+from megacompile.cli import main
+
+
+@pytest.fixture
+def config_json(tmp_path):
+    path = tmp_path / "config.json"
+    tiny_config("llama", layers=3).to_json_file(path)
+    return path
+
+
+def test_json_report_of_a_config_file(config_json, capsys):
+    assert main(["inspect", str(config_json), "--seq", "16", "--format", "json", "--gpu", "h100"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["version"] == 1 and report["model"]["layers"] == 3
+    assert report["model"]["distinct_layer_bodies"] == 1 and report["hardware"]["name"] == "h100"
+    fw, bw = report["directions"]["forward"], report["directions"]["backward"]
+    names = [s["name"] for s in fw["segments"]]
+    assert names == ["prologue", "embed", "model.layers.0", "model.layers.1", "model.layers.2", "head"]
+    for d in (fw, bw):
+        for s in d["steps"]:
+            assert s["end_s"] >= s["start_s"] >= 0
+            assert s["stream"] in {"h2d", "compute", "d2h"}
+        # a run never starts before its segment's weights arrived
+        arrived = {s["segment"]: s["end_s"] for s in d["steps"] if s["op"] == "prefetch"}
+        for s in d["steps"]:
+            if s["op"] == "run" and s["segment"] in arrived:
+                assert s["start_s"] >= arrived[s["segment"]]
+    assert any(s["op"] == "grad_offload" for s in bw["steps"])
+    assert bw["saved_activation_bytes"] > 0
+    assert report["step_seconds"] >= max(s["end_s"] for s in fw["steps"])
+
+
+def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):
+    out = tmp_path / "trace.json"
+    assert main(["inspect", str(config_json), "--seq", "16", "--format", "chrome-trace", "-o", str(out)]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"compute", "h2d", "d2h"}
+    assert any(e["ph"] == "X" and e["name"].startswith("prefetch") for e in events)
+    for show in ("schedule", "memory", "passes", "graphs"):
+        assert main(["inspect", str(config_json), "--seq", "16", "--show", show]) == 0
+        text = capsys.readouterr().out
+        assert "distinct layer bodies 1" in text
+    assert "aten." in text  # --show graphs prints the lowered bodies
+
+
+def test_preset_builds_on_the_meta_device(capsys):
+    assert main(["inspect", "llama-3-8b", "--layers", "2", "--seq", "256", "--show", "memory"]) == 0
+    text = capsys.readouterr().out
+    assert "llama-3-8b (llama): 2 layers" in text and "peak resident weights" in text
+
+
+def test_unknown_model_is_a_clear_error(capsys):
+    assert main(["inspect", "no-such-model"]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    out = subprocess.run([sys.executable, "-m", "megacompile.cli", "inspect", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "--format" in out and "chrome-trace" in out
