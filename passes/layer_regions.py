@@ -7,7 +7,8 @@ rank: forward runs embed(0), layers 1..N, head(N+1); backward runs them in rever
   * A node that depends on weights can run no earlier than the latest-ranked weight-dependent
     value it reads (ASAP) and no later than its earliest consumer (ALAP). Inside that window it
     goes where its module says (layer k+1's input RMSNorm statistics, computed from layer k's
-    output, belong to layer k+1), otherwise to the ASAP rank.
+    output, belong to layer k+1). Forward glue of the top-level model (no module) goes ALAP, to
+    its consumer; anything else to the ASAP rank.
   * A weight-free node (masks, rotary tables, symbolic sizes, recompute from a saved boundary)
     used by several segments runs in the prologue (rank -1), so that all decoder layers get the
     same structure and identical layers dedupe to one body. Used by one segment, it runs there,
@@ -47,7 +48,7 @@ def module_path(node: fx.Node) -> str | None:
     if not stack:
         return None
     path = list(stack.values())[-1][0]
-    return _INDEX.sub(r".\1", _ROOT.sub("", path))
+    return _INDEX.sub(r".\1", _ROOT.sub("", path)) or None
 
 
 def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
@@ -82,7 +83,15 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             alap = min(user_ranks, default=last_rank)
             pref = preferred_group(n, ctx)
             pref = group_rank(pref, ctx) if pref is not None else None
-            rank[n] = pref if pref is not None and asap[n] <= pref <= alap else asap[n]
+            if pref is not None and asap[n] <= pref <= alap:
+                rank[n] = pref
+            elif ctx.direction != "backward" and module_path(n) is None:
+                # top-level forward glue (the model's own forward, e.g. a long skip
+                # `x + 0.5 * h_k`): compute it where it is consumed, so the producing layer keeps
+                # the shape of its identical siblings
+                rank[n] = alap
+            else:
+                rank[n] = asap[n]
         elif len(user_ranks) == 1:
             # one consumer segment: run there, or earlier where the module says it belongs
             # (the head's norm backward, computed from values the head saved)
