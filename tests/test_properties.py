@@ -86,10 +86,16 @@ def test_random_stacks_match_eager_and_respect_the_schedule(spec, slots, seed):
         b = spec.blocks[i]
         return b.kind, None if b.kind == "attn" else b.inner, i > 0 and spec.blocks[i - 1].skip_from >= 0
 
+    skips = any(b.skip_from >= 0 for b in spec.blocks)
     for i in range(len(spec.blocks)):
         for j in range(len(spec.blocks)):
             same_body = body_of_layer[i] == body_of_layer[j]
-            assert same_body == (structure(i) == structure(j)), (i, j, spec.blocks)
+            if same_body:  # dedupe never merges layers that compute differently
+                assert structure(i) == structure(j), (i, j, spec.blocks)
+            elif not skips:  # and, without shared glue, always merges the alike ones
+                # (with skips, AOT's CSE may merge two consumers' identical glue into one node
+                # that only the first consumer computes, so alike layers can legitimately differ)
+                assert structure(i) != structure(j), (i, j, spec.blocks)
 
 
 # Failing examples found by hypothesis are kept here as regression cases.
