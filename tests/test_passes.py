@@ -25,13 +25,16 @@ def joint_graph():
     r = g.call_function(aten.relu.default, (h,), name="relu")
     t_1 = g.call_function(aten.t.default, (w2,), name="t_1")
     out = g.call_function(aten.mm.default, (r, t_1), name="mm_1")
+    for node, module in ((t, "layers.0"), (h, "layers.0"), (r, "layers.0"), (t_1, "head"), (out, "head")):
+        node.meta["nn_module_stack"] = {module: (f"L['self'].{module}", torch.nn.Module)}
     g.output((out,))
     return fx.GraphModule(torch.nn.Module(), g)
 
 
 def ctx(**kw):
     # groups: 0 embed (unused here), 1 the layer, 2 the head
-    return PassContext(direction="joint", num_groups=3, flat_groups={0: 1, 1: 2}, **kw)
+    return PassContext(direction="joint", num_groups=3, flat_groups={0: 1, 1: 2},
+                       module_groups={"layers": 1, "layers.0": 1, "head": 2}, **kw)
 
 
 def test_layer_regions_follow_the_weights():
@@ -59,6 +62,15 @@ def test_recompute_head_option_tags_the_head():
     nodes = {n.name: n for n in gm.graph.nodes}
     assert nodes["mm_1"].meta["recompute"] == CheckpointPolicy.MUST_RECOMPUTE
     assert nodes["mm_1"].meta["ac_graph_id"] == 2
+
+
+def test_model_level_glue_runs_in_its_consumer():
+    """A node without a module (the model's own forward) goes to the segment that reads it."""
+    gm = joint_graph()
+    relu = next(n for n in gm.graph.nodes if n.name == "relu")
+    del relu.meta["nn_module_stack"]
+    gm = run_pipeline(gm, [tag_weights, layer_regions], ctx())
+    assert relu.meta[GROUP] == 2
 
 
 def test_disabled_pass_is_recorded_and_contracts_are_checked():
