@@ -12,13 +12,15 @@ from .errors import MegatrainError
 
 def _inspect(args) -> int:
     from .hardware import load_hardware
-    from .inspect import inspect_model, to_chrome_trace, to_json, to_text
+    from .inspect import inspect_model, to_chrome_trace, to_json, to_svg, to_text
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype))
     if args.format == "json":
         text = to_json(report)
     elif args.format == "chrome-trace":
         text = to_chrome_trace(report)
+    elif args.format == "svg":
+        text = to_svg(report)
     else:
         text = to_text(report, args.show)
     if args.output:
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     i.add_argument("--gpu", default="h200", help="hardware profile for time estimates: a built-in name or a JSON file")
     i.add_argument("--show", default="schedule", choices=["graphs", "passes", "schedule", "memory"])
-    i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace"])
+    i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
     i.add_argument("-o", "--output", help="write to this file instead of standard output")
     i.set_defaults(func=_inspect)
     return p

@@ -214,6 +214,41 @@ def to_chrome_trace(report: dict) -> str:
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"})
 
 
+_COLORS = {"prefetch": "#4e79a7", "run": "#59a14f", "grad_offload": "#e15759", "wait": "#bab0ac"}
+
+
+def to_svg(report: dict, width: int = 1400) -> str:
+    """A timeline of the three streams (compute, h2d, d2h), forward then backward."""
+    steps = [(direction, s) for direction, d in report["directions"].items() for s in d.steps if s.end > s.start]
+    total = max((s.end for _, s in steps), default=0.0) or 1.0
+    lanes = {"compute": 0, "h2d": 1, "d2h": 2}
+    left, lane_h, top = 90, 36, 40
+    scale = (width - left - 20) / total
+    height = top + lane_h * len(lanes) + 40
+    m = report["model"]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
+           'font-size="11">',
+           f'<text x="10" y="20" font-size="13">{m["source"]}: {m["layers"]} layers, batch {report["batch"]} x seq '
+           f'{report["seq"]}, {report["hardware"]["name"]}; estimated step {report["step_seconds"] * 1e3:.1f} ms'
+           '</text>']
+    for name, lane in lanes.items():
+        y = top + lane * lane_h
+        out.append(f'<text x="10" y="{y + lane_h / 2 + 4}">{name}</text>')
+        out.append(f'<line x1="{left}" y1="{y + lane_h}" x2="{width - 20}" y2="{y + lane_h}" stroke="#ddd"/>')
+    for direction, s in steps:
+        x, w = left + s.start * scale, max((s.end - s.start) * scale, 0.5)
+        y = top + lanes[s.stream] * lane_h + 4
+        out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{lane_h - 8}" fill="{_COLORS.get(s.op, "#999")}" '
+                   f'opacity="{0.95 if direction == "forward" else 0.7}"><title>{direction} {s.op} {s.group}: '
+                   f'{(s.end - s.start) * 1e3:.3f} ms, {s.nbytes} bytes</title></rect>')
+    y = top + lane_h * len(lanes) + 25
+    for i, (op, color) in enumerate(_COLORS.items()):
+        out.append(f'<rect x="{left + i * 120}" y="{y - 10}" width="12" height="12" fill="{color}"/>'
+                   f'<text x="{left + i * 120 + 16}" y="{y}">{op}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 

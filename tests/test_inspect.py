@@ -46,6 +46,12 @@ def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):
     events = json.loads(out.read_text())["traceEvents"]
     assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"compute", "h2d", "d2h"}
     assert any(e["ph"] == "X" and e["name"].startswith("prefetch") for e in events)
+    svg = tmp_path / "timeline.svg"
+    assert main(["inspect", str(config_json), "--seq", "16", "--format", "svg", "-o", str(svg)]) == 0
+    import xml.etree.ElementTree as ET
+    root = ET.fromstring(svg.read_text())
+    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.find("{http://www.w3.org/2000/svg}title") is not None]
+    assert any("prefetch" in r.find("{http://www.w3.org/2000/svg}title").text for r in rects)
     for show in ("schedule", "memory", "passes", "graphs"):
         assert main(["inspect", str(config_json), "--seq", "16", "--show", show]) == 0
         text = capsys.readouterr().out
@@ -68,3 +74,13 @@ def test_console_script_is_installed():
     out = subprocess.run([sys.executable, "-m", "megacompile.cli", "inspect", "--help"],
                          capture_output=True, text=True, check=True).stdout
     assert "--format" in out and "chrome-trace" in out
+
+
+@pytest.mark.parametrize("preset", sorted(__import__("megacompile.presets", fromlist=["PRESETS"]).PRESETS))
+def test_every_preset_inspects(preset, capsys):
+    """Dense, MoE, hybrid linear-attention and MLA presets all capture and schedule (2 layers)."""
+    assert main(["inspect", preset, "--layers", "2", "--seq", "64", "--format", "json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["layers"] == 2 and report["model"]["distinct_layer_bodies"] >= 1
+    fw = report["directions"]["forward"]
+    assert [s["name"] for s in fw["segments"]][-3:] == ["model.layers.0", "model.layers.1", "head"]
