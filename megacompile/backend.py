@@ -18,6 +18,7 @@ import weakref
 from typing import Any
 
 import torch
+import torch._functorch.config as functorch_config
 import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -28,6 +29,7 @@ from .options import Options
 from .passes import PassContext, run_pipeline
 from .passes.dedupe_bodies import dedupe_bodies
 from .passes.layer_regions import layer_regions
+from .passes.memory_plan import check_budget, memory_plan
 from .passes.recompute_boundaries import recompute_boundaries
 from .passes.retarget_device import retarget_device
 from .passes.schedule import schedule
@@ -39,7 +41,7 @@ from .runtime.weight_pool import DeviceWeightPool
 
 # retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
 JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries]
-DIRECTION_PASSES = [tag_weights, layer_regions, split_segments, dedupe_bodies, schedule]
+DIRECTION_PASSES = [tag_weights, layer_regions, split_segments, dedupe_bodies, schedule, memory_plan]
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
@@ -74,6 +76,7 @@ class Program:
             slots=self.options.slots,
             module_groups=self.capture.module_groups(),
             recompute_head=self.options.recompute_head,
+            device_budget=self.options.device_budget_bytes,
             disabled=self.options.disable_passes,
             debug=self.options.debug_passes,
         )
@@ -85,12 +88,15 @@ class Program:
         self.pass_records["joint"] = ctx.records
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
-    def compile(self, direction: str, gm: fx.GraphModule) -> DirectionRunner:
+    def compile(self, direction: str, gm: fx.GraphModule, *, training: bool = True) -> DirectionRunner:
         ctx = self.context(direction)
         top = run_pipeline(gm, DIRECTION_PASSES, ctx)
         self.pass_records[direction] = ctx.records
         runner = DirectionRunner(direction, top, self)
         self.runners[direction] = runner
+        if direction == "backward" or not training:  # a training step is checked once both exist
+            check_budget({d: r.plan for d, r in self.runners.items() if r.plan is not None},
+                         self.options.device_budget_bytes, self.options.slots)
         return runner
 
     # step accounting ----------------------------------------------------------------
@@ -153,14 +159,18 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         # accelerator, so AOTAutograd selects its kernels (the host copy stays the source).
         gm = run_pipeline(gm, [retarget_device], program.context("dynamo"))
         trace_inputs = fake_inputs_on(gm, example_inputs, opts.torch_device)
-    compiled = aot_module_simplified(
-        gm,
-        trace_inputs,
-        fw_compiler=lambda g, _inputs: program.compile("forward", g),
-        bw_compiler=lambda g, _inputs: program.compile("backward", g),
-        partition_fn=program.partition,
-        decompositions=DECOMPOSITIONS,
-    )
+    # Lower the backward right away (not at the first backward call): errors such as a budget
+    # that cannot fit surface before any training work, and the step's plan is complete.
+    with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        compiled = aot_module_simplified(
+            gm,
+            trace_inputs,
+            fw_compiler=lambda g, _inputs: program.compile("forward", g),
+            bw_compiler=lambda g, _inputs: program.compile("backward", g),
+            inference_compiler=lambda g, _inputs: program.compile("forward", g, training=False),
+            partition_fn=program.partition,
+            decompositions=DECOMPOSITIONS,
+        )
     _PROGRAMS.setdefault(capture.root, []).append(program)
     return compiled
 

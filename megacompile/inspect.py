@@ -25,22 +25,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch._functorch.config as functorch_config
 import torch.fx as fx
 
 from .backend import Program, megatrain_backend, programs_of
 from .hardware import Hardware
+from .passes.memory_plan import _dim, value_bytes
 from .presets import load_config
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm",
             aten.baddbmm.default: "baddbmm"}
-
-
-def _dim(d) -> int:
-    if isinstance(d, torch.SymInt):
-        return int(d.node.hint) if d.node.has_hint() else 1
-    return int(d)
 
 
 def body_flops(body: fx.GraphModule) -> int:
@@ -138,8 +132,7 @@ def build_meta_model(source: str, layers: int | None, dtype: torch.dtype):
 def capture_program(model, batch: int, seq: int, slots: int) -> Program:
     """Compile forward and backward for meta inputs without running megatrain's runtime."""
     def capture(gm, example_inputs, **_):
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            megatrain_backend(gm, example_inputs, options={"device": "cpu", "slots": slots})
+        megatrain_backend(gm, example_inputs, options={"device": "cpu", "slots": slots})
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()
@@ -166,7 +159,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
                 val = n.meta.get("val")
                 if (n.op == "placeholder" and WEIGHT_GROUP not in n.meta and not n.name.startswith("tangents")
                         and isinstance(val, torch.Tensor)):
-                    saved += math.prod(_dim(d) for d in val.shape) * val.element_size()
+                    saved += value_bytes(val)
         directions[direction] = DirectionReport(
             segs, steps, runner.schedule.peak_resident_weight_bytes(), saved,
             program.pass_records.get(direction, []),

@@ -7,11 +7,26 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from .errors import ConfigError
+
+
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
+
+
+def parse_bytes(value) -> int:
+    """1024, "80GiB", "75GB", "1.5T" -> bytes."""
+    if isinstance(value, (int, float)) and value > 0:
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{value!r} is not a byte size; write e.g. 80GiB, 75GB or 1.5T.")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
 def _default_device() -> str:
@@ -32,6 +47,9 @@ class Options:
     #: min-cut partitioner saves (typically the logits: batch x seq x vocab). Saves device memory
     #: at large vocabularies for one more LM-head matmul per step.
     recompute_head: bool = False
+    #: Device bytes the schedule may use (int bytes, or a string like "80GiB"/"75GB"); a schedule
+    #: whose planned peak exceeds it is refused with the smallest budget that fits.
+    device_budget: int | str | None = None
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.
@@ -55,7 +73,13 @@ class Options:
         opts.validate()
         return opts
 
+    @property
+    def device_budget_bytes(self) -> int | None:
+        return parse_bytes(self.device_budget) if self.device_budget is not None else None
+
     def validate(self) -> None:
+        if self.device_budget is not None:
+            self.device_budget_bytes  # raises ConfigError when malformed
         if not isinstance(self.slots, int) or self.slots < 1:
             raise ConfigError(f"option slots={self.slots!r}: need an integer >= 1 (2 overlaps one transfer with compute).")
         try:

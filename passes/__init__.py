@@ -30,6 +30,7 @@ class PassContext:
     slots: int = 2                      # weight groups resident on the device at once
     module_groups: dict[str, int] = dataclasses.field(default_factory=dict)  # module FQN -> weight group
     recompute_head: bool = False        # also recompute the head (logits) in the backward
+    device_budget: int | None = None    # bytes the schedule may use on the device (None: unchecked)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

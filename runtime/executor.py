@@ -9,7 +9,6 @@ byte accounting that `megacompile.stats` reports.
 from __future__ import annotations
 
 import math
-import operator
 import time
 from dataclasses import dataclass
 
@@ -19,12 +18,12 @@ import torch.fx as fx
 from ..errors import ResidencyError
 from ..passes import FLAT_INDEX, WEIGHT_GROUP
 from ..passes.dedupe_bodies import BODY
+from ..passes.memory_plan import MEMORY_PLAN
 from ..passes.schedule import SCHEDULE, Schedule
 from ..passes.split_segments import SEGMENT
 from .weight_pool import DeviceWeightPool
 
 _ALWAYS = math.inf
-_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 
 @dataclass
@@ -36,39 +35,6 @@ class Call:
 
 def _nbytes(v) -> int:
     return v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
-
-
-def _transient_bytes(body: fx.GraphModule) -> int:
-    """Peak bytes of a body's intermediates (from traced metadata, size hints for symbols)."""
-    def dim(d) -> int:
-        if isinstance(d, torch.SymInt):
-            return int(d.node.hint) if d.node.has_hint() else 1
-        return int(d)
-
-    def size(n: fx.Node) -> int:
-        # views and getitems alias memory already counted at their producer
-        if n.target is operator.getitem or n.target in _ALIASING or getattr(n.target, "is_view", False):
-            return 0
-        val = n.meta.get("val")
-        vals = val if isinstance(val, (list, tuple)) else [val]
-        return sum(math.prod(dim(d) for d in v.shape) * v.element_size()
-                   for v in vals if isinstance(v, torch.Tensor))
-
-    nodes = list(body.graph.nodes)
-    last = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last[a] = i
-    live, peak, sizes = 0, 0, {}
-    for i, n in enumerate(nodes):
-        if n.op in ("call_function", "call_method", "call_module"):
-            sizes[n] = size(n)
-            live += sizes[n]
-            peak = max(peak, live)
-        for a in n.all_input_nodes:
-            if last.get(a) == i and a in sizes:
-                live -= sizes.pop(a)
-    return peak
 
 
 class DirectionRunner:
@@ -97,7 +63,10 @@ class DirectionRunner:
                 inputs = [(a.name, weight_names.get(a.name)) for a in n.args]
                 self.calls.append(Call(body, inputs, list(n.meta[SEGMENT]["outputs"])))
         self.bodies = bodies
-        self.transient = {name: _transient_bytes(b) for name, b in bodies.items()}
+        # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
+        plan = top.meta.get(MEMORY_PLAN)
+        self.plan = plan
+        self.transient = {name: plan.transient.get(name, 0) if plan else 0 for name in bodies}
         self.body_of = [next(k for k, b in bodies.items() if b is c.body) for c in self.calls]
         out = next(n for n in top.graph.nodes if n.op == "output")
         self.output_spec = [a.name if isinstance(a, fx.Node) else a for a in out.args[0]]
