@@ -38,9 +38,17 @@ def _dim(d) -> int:
     return int(d)
 
 
+def _tensor_bytes(v: torch.Tensor) -> int:
+    # the whole storage, as the allocator holds it (a view keeps its base alive)
+    try:
+        return _dim(v.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
+        return math.prod(_dim(d) for d in v.shape) * v.element_size()
+
+
 def value_bytes(val) -> int:
     vals = val if isinstance(val, (list, tuple)) else [val]
-    return sum(math.prod(_dim(d) for d in v.shape) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+    return sum(_tensor_bytes(v) for v in vals if isinstance(v, torch.Tensor))
 
 
 def body_transient_bytes(body: fx.GraphModule) -> int:

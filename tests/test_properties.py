@@ -111,3 +111,42 @@ REGRESSIONS = [
 @pytest.mark.parametrize("spec,slots,seed", REGRESSIONS)
 def test_regressions(spec, slots, seed):
     test_random_stacks_match_eager_and_respect_the_schedule.hypothesis.inner_test(spec, slots, seed)
+
+
+@settings(max_examples=max(4, EXAMPLES // 2), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(spec=stack_specs(max_layers=4), slots=st.integers(1, 3), budget=st.integers(5_000, 400_000))
+def test_budget_is_respected_or_refused_with_a_budget_that_fits(spec, slots, budget):
+    check_budget_property(spec, slots, budget)
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: with a tied head, a transposed weight view crosses a "
+                   "backward segment boundary and pins its slot buffer, which the memory plan does not count")
+def test_budget_regression_tied_head_weight_view():
+    check_budget_property(StackSpec(8, (BlockSpec("mlp", 8, -1),), True, False), 1, 5_000)
+
+
+def check_budget_property(spec, slots, budget):
+    import re
+
+    import megacompile
+    from megacompile.passes.memory_plan import CannotFitError
+
+    def attempt(device_budget):
+        torch.manual_seed(0)
+        model = RandomStack(spec)
+        ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+        torch._dynamo.reset()
+        cmodel = torch.compile(model, backend="megatrain", options={
+            "device": "cpu", "slots": slots, "device_budget": device_budget})
+        cmodel(ids, ids).backward()
+        return megacompile.stats(cmodel)["peak_device_bytes"]
+
+    try:
+        assert attempt(budget) <= budget
+    except Exception as e:  # noqa: BLE001 - Dynamo wraps backend errors
+        inner = getattr(e, "inner_exception", e)
+        assert isinstance(inner, CannotFitError), repr(e)
+        smallest = int(re.search(r"smallest budget that fits this schedule is (\d+) bytes", str(inner)).group(1))
+        assert smallest > budget
+        assert attempt(smallest) <= smallest
