@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from .backend import Program, megatrain_backend, programs_of
 from .hardware import Hardware
-from .passes.memory_plan import _dim, value_bytes
+from .passes.memory_plan import dim_hint, value_bytes
 from .presets import load_config
 
 aten = torch.ops.aten
@@ -46,12 +46,12 @@ def body_flops(body: fx.GraphModule) -> int:
         val = n.meta.get("val")
         if n.target in _MATMULS and isinstance(val, torch.Tensor):
             a = n.args[1] if n.target in (aten.addmm.default, aten.baddbmm.default) else n.args[0]
-            k = _dim(a.meta["val"].shape[-1])
-            total += 2 * math.prod(_dim(d) for d in val.shape) * k
+            k = dim_hint(a.meta["val"].shape[-1])
+            total += 2 * math.prod(dim_hint(d) for d in val.shape) * k
         elif "scaled_dot_product" in str(n.target) and isinstance(n.args[0], fx.Node):
             q, k_ = n.args[0].meta["val"], n.args[1].meta["val"]
-            b_h = math.prod(_dim(d) for d in q.shape[:-2])
-            sq, sk, d = _dim(q.shape[-2]), _dim(k_.shape[-2]), _dim(q.shape[-1])
+            b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
+            sq, sk, d = dim_hint(q.shape[-2]), dim_hint(k_.shape[-2]), dim_hint(q.shape[-1])
             factor = 2.5 if "backward" in str(n.target) else 1.0   # bwd ~ 2.5x the fwd matmuls
             total += int(factor * 4 * b_h * sq * sk * d)
     return total

@@ -32,7 +32,8 @@ class CannotFitError(MegatrainError):
     """The schedule's peak device bytes exceed the device budget."""
 
 
-def _dim(d) -> int:
+def dim_hint(d) -> int:
+    """A size as an int (symbolic sizes: the hint they were traced with)."""
     if isinstance(d, torch.SymInt):
         return int(d.node.hint) if d.node.has_hint() else 1
     return int(d)
@@ -41,9 +42,9 @@ def _dim(d) -> int:
 def _tensor_bytes(v: torch.Tensor) -> int:
     # the whole storage, as the allocator holds it (a view keeps its base alive)
     try:
-        return _dim(v.untyped_storage().nbytes())
+        return dim_hint(v.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):  # e.g. tensors without storage
-        return math.prod(_dim(d) for d in v.shape) * v.element_size()
+        return math.prod(dim_hint(d) for d in v.shape) * v.element_size()
 
 
 def value_bytes(val) -> int:
