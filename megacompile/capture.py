@@ -72,12 +72,17 @@ class ModelCapture:
         return f"{self.layer_prefix}.{group - 1}"
 
 
-def _current_frame_locals() -> dict[str, Any] | None:
+def _current_tx():
+    """Dynamo's instruction translator for the frame being compiled (None outside a compile)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
     except ImportError:  # pragma: no cover - older torch
         return None
-    tx = InstructionTranslator.current_tx()
+    return InstructionTranslator.current_tx()
+
+
+def _current_frame_locals() -> dict[str, Any] | None:
+    tx = _current_tx()
     if tx is None:
         return None
     root_tx = getattr(getattr(tx, "output", None), "root_tx", None) or tx  # the outermost frame
@@ -85,12 +90,7 @@ def _current_frame_locals() -> dict[str, Any] | None:
 
 
 def _compile_reason():
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-    except ImportError:  # pragma: no cover
-        return None
-    tx = InstructionTranslator.current_tx()
-    return getattr(getattr(tx, "output", None), "compile_subgraph_reason", None)
+    return getattr(getattr(_current_tx(), "output", None), "compile_subgraph_reason", None)
 
 
 def _modules_in(value: Any, depth: int = 0):
@@ -187,11 +187,11 @@ def _break_site(model: nn.Module) -> tuple[str, str, str]:
         fn = mod.__dict__.get("forward") or type(mod).forward
         code = getattr(fn, "__code__", None)
         if code is not None:
-            owners.setdefault(code.co_filename, []).append((name, mod, code))
+            owners.setdefault(code.co_filename, []).append((name, code))
 
     def owners_of(rec):
         lines = []
-        for name, mod, code in owners.get(rec.fail_user_frame_filename, []):
+        for name, code in owners.get(rec.fail_user_frame_filename, []):
             last = max((ln for _, _, ln in code.co_lines() if ln is not None), default=code.co_firstlineno)
             if code.co_firstlineno <= rec.fail_user_frame_lineno <= last:
                 lines.append(name)

@@ -51,6 +51,11 @@ def module_path(node: fx.Node) -> str | None:
     return _INDEX.sub(r".\1", _ROOT.sub("", path)) or None
 
 
+def _preferred_rank(node: fx.Node, ctx: PassContext) -> int | None:
+    group = preferred_group(node, ctx)
+    return None if group is None else group_rank(group, ctx)
+
+
 def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
     path = module_path(node)
     while path:
@@ -81,8 +86,7 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         user_ranks = {rank[u] if u.op != "output" else last_rank for u in n.users}
         if n in asap:
             alap = min(user_ranks, default=last_rank)
-            pref = preferred_group(n, ctx)
-            pref = group_rank(pref, ctx) if pref is not None else None
+            pref = _preferred_rank(n, ctx)
             if pref is not None and asap[n] <= pref <= alap:
                 rank[n] = pref
             elif ctx.direction != "backward" and module_path(n) is None:
@@ -96,8 +100,7 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             # one consumer segment: run there, or earlier where the module says it belongs
             # (the head's norm backward, computed from values the head saved)
             alap = user_ranks.pop()
-            pref = preferred_group(n, ctx)
-            pref = group_rank(pref, ctx) if pref is not None else None
+            pref = _preferred_rank(n, ctx)
             rank[n] = pref if pref is not None and pref <= alap else alap
         else:
             rank[n] = PROLOGUE

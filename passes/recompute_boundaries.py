@@ -6,8 +6,8 @@ node whose user lies in a later id into MUST_SAVE, so what is saved is exactly t
 tensors (plus weight-free prologue values such as rotary tables and masks, which the min-cut
 decides). The head (final norm, LM head, loss) is left to the min-cut unless
 `recompute_head` is set: recomputing the logits costs a vocabulary-sized matmul per step, keeping
-them costs batch x sequence x vocabulary bytes. Weights are primals, so the backward reads them as primals and re-derives transposes
-(`t(w)`) itself instead of keeping a transposed copy alive.
+them costs batch x sequence x vocabulary bytes. Weights are primals, so the backward reads them
+as primals and re-derives transposes (`t(w)`) itself instead of keeping a transposed copy alive.
 
     fwd:  h_i = layer_i(h_{i-1}, W_i)       bwd:  recompute layer_i from h_{i-1}, W_i
           [save h_{i-1}]                           then grad of layer_i

@@ -4,8 +4,9 @@
 `evict` releases the buffer. On CUDA the caching allocator recycles the block (identical layers
 ask for identical sizes). On the CPU a fresh large allocation is a fresh mmap whose pages fault
 in on first touch, so the pool recycles released buffers itself, but only when no view of the
-old weights survives (a surviving view would otherwise see the next layer's weights). On CUDA the copy runs on a dedicated stream and `wait` makes the compute
-stream wait on its event; on the CPU copies are synchronous and `wait` is free.
+old weights survives (a surviving view would otherwise see the next layer's weights). On CUDA
+the copy runs on a dedicated stream and `wait` makes the compute stream wait on its event; on
+the CPU copies are synchronous and `wait` is free.
 """
 from __future__ import annotations
 
