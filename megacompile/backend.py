@@ -59,6 +59,7 @@ class Program:
         names = {inp.index: inp.name for inp in capture.inputs}
         self.entries = store.register(params, names, pin=device.type == "cuda")
         self.pool = DeviceWeightPool(device, options.slots)
+        self.hardware = options.hardware_profile()
         self.runners: dict[str, DirectionRunner] = {}
         self.pass_records: dict[str, list] = {}
         self.last_stats: dict[str, Any] = {}
@@ -77,6 +78,7 @@ class Program:
             module_groups=self.capture.module_groups(),
             recompute_head=self.options.recompute_head,
             device_budget=self.options.device_budget_bytes,
+            hardware=self.hardware,
             disabled=self.options.disable_passes,
             debug=self.options.debug_passes,
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import MegatrainError
+from .errors import ConfigError, MegatrainError
 
 
 def _inspect(args) -> int:
@@ -31,6 +31,28 @@ def _inspect(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    import json as _json
+
+    from .hardware import load_hardware
+    from .options import parse_bytes
+    from .plan import plan_model, to_text
+    dtype = getattr(torch, args.dtype)
+    hardware = load_hardware(args.gpu, dtype)
+    if args.host_ram is None and hardware.name != "cpu":
+        raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
+                          "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
+    host_ram = parse_bytes(args.host_ram) if args.host_ram is not None else None
+    plan = plan_model(args.model, hardware=hardware, host_ram=host_ram, seq=args.seq, batch=args.batch,
+                      slots=args.slots, dtype=dtype)
+    text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
+    print(text)
+    if not plan.fits:
+        print("megatrain: error: " + " ".join(plan.problems), file=sys.stderr)
+        return 3
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatrain", description="Train LLMs larger than accelerator memory.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -48,6 +70,22 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
     i.add_argument("-o", "--output", help="write to this file instead of standard output")
     i.set_defaults(func=_inspect)
+
+    pl = sub.add_parser("plan", help="host RAM, device memory, best batch size and expected speed of a model",
+                        description="Say, without allocating the model, whether MODEL trains on a machine: host "
+                                    "bytes by part, device bytes, the largest and the best batch size, and the "
+                                    "step time simulated on the hardware profile. Exits 3 when it cannot fit.")
+    pl.add_argument("model", help="a preset name (e.g. llama-3-70b), a config.json path or a model directory")
+    pl.add_argument("--gpu", default="h200", help="hardware profile: h200, h100, gh200, a100, cpu (measured "
+                                                   "here) or a JSON profile path")
+    pl.add_argument("--host-ram", help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
+                                       "--gpu cpu: this machine's)")
+    pl.add_argument("--seq", type=int, default=4096, help="sequence length (tokens per sample)")
+    pl.add_argument("--batch", type=int, help="check this batch size (default: report the largest and the best)")
+    pl.add_argument("--slots", type=int, default=2, help="decoder-layer weight slots on the device")
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--format", default="text", choices=["text", "json"])
+    pl.set_defaults(func=_plan)
     return p
 
 

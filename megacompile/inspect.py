@@ -3,70 +3,37 @@ report graphs, pass records, the schedule (with estimated times) and the memory 
 
 No weights are allocated: the model is built under `torch.device("meta")`, Dynamo and
 AOTAutograd trace it with meta inputs, and the megatrain backend compiles both directions
-without executing them. The schedule's times come from a small discrete-event model of three
-streams (h2d, compute, d2h) against a hardware profile (`hardware.py`): a prefetch starts when
-the link is free, a run starts when its weights have arrived and the previous run ended, a
-gradient offload starts when the run that produced it ended.
+without executing them. Each body's time comes from the cost model (`cost_model.py`) and the
+schedule's times from the discrete-event simulation of its three streams (`simulate.py`)
+against a hardware profile (`hardware.py`).
 
 JSON output (stable; `version` bumps on incompatible change):
     {"version": 1, "model": {...}, "hardware": {...}, "batch": B, "seq": S,
      "directions": {"forward"|"backward": {
-         "segments": [{"index", "name", "group", "body", "weights_bytes", "flops", "transient_bytes"}],
+         "segments": [{"index", "name", "group", "body", "weights_bytes", "grad_bytes", "flops",
+                       "memory_bytes", "ops", "seconds", "transient_bytes"}],
          "steps": [{"op", "stream", "segment", "group", "bytes", "start_s", "end_s"}],
-         "peak_resident_weight_bytes", "saved_activation_bytes", "passes": [[name, status], ...]}},
+         "peak_resident_weight_bytes", "saved_activation_bytes", "lookahead",
+         "passes": [[name, status], ...]}},
      "step_seconds": estimated forward+backward seconds}
 """
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from .backend import Program, megatrain_backend, programs_of
+from . import meta_attention
+from .cost_model import body_cost
 from .hardware import Hardware
-from .passes.memory_plan import dim_hint, value_bytes
+from .passes.memory_plan import value_bytes
+from .passes.schedule import segment_costs
 from .presets import load_config
-
-aten = torch.ops.aten
-_MATMULS = {aten.mm.default: "mm", aten.addmm.default: "addmm", aten.bmm.default: "bmm",
-            aten.baddbmm.default: "baddbmm"}
-
-
-def body_flops(body: fx.GraphModule) -> int:
-    """Matmul and attention FLOPs of a body, from the traced shapes."""
-    total = 0
-    for n in body.graph.nodes:
-        if n.op != "call_function":
-            continue
-        val = n.meta.get("val")
-        if n.target in _MATMULS and isinstance(val, torch.Tensor):
-            a = n.args[1] if n.target in (aten.addmm.default, aten.baddbmm.default) else n.args[0]
-            k = dim_hint(a.meta["val"].shape[-1])
-            total += 2 * math.prod(dim_hint(d) for d in val.shape) * k
-        elif "scaled_dot_product" in str(n.target) and isinstance(n.args[0], fx.Node):
-            q, k_ = n.args[0].meta["val"], n.args[1].meta["val"]
-            b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
-            sq, sk, d = dim_hint(q.shape[-2]), dim_hint(k_.shape[-2]), dim_hint(q.shape[-1])
-            factor = 2.5 if "backward" in str(n.target) else 1.0   # bwd ~ 2.5x the fwd matmuls
-            total += int(factor * 4 * b_h * sq * sk * d)
-    return total
-
-
-@dataclass
-class TimedStep:
-    op: str
-    stream: str
-    segment: int
-    group: str
-    nbytes: int
-    start: float
-    end: float
-
+from .simulate import SegmentCost, TimedStep, makespan, simulate
 
 @dataclass
 class DirectionReport:
@@ -75,64 +42,55 @@ class DirectionReport:
     peak_resident_weight_bytes: int
     saved_activation_bytes: int
     passes: list
+    lookahead: int = 1
     code: dict[str, str] = field(default_factory=dict)
 
 
-def simulate(runner, program: Program, hw: Hardware, t0: float = 0.0) -> tuple[list[TimedStep], list[dict]]:
+def segment_report(runner, hw: Hardware) -> tuple[list[dict], list[SegmentCost]]:
+    """Per segment: what it reads, computes and moves (cost model), and its simulator cost."""
     schedule = runner.schedule
-    cap = program.capture
+    cap = runner.program.capture
+    top = runner.graph
+    costs = segment_costs(top, schedule.segments, hw)
     segs = []
-    for k, seg in enumerate(schedule.segments):
-        body = runner.calls[k].body
-        grad_bytes = sum(program.entries[i].nbytes for i, _ in seg.grads)
+    for k, (seg, cost) in enumerate(zip(schedule.segments, costs)):
+        body = body_cost(runner.calls[k].body)
         segs.append({"index": k, "name": cap.group_name(seg.group) if seg.group >= 0 else "prologue",
                      "group": seg.group, "body": runner.body_of[k], "weights_bytes": seg.weight_nbytes,
-                     "grad_bytes": grad_bytes, "flops": body_flops(body),
+                     "grad_bytes": cost.grad_bytes, "flops": body.flops, "memory_bytes": body.memory_bytes,
+                     "ops": body.ops, "seconds": cost.seconds,
                      "transient_bytes": runner.transient[runner.body_of[k]]})
-    clock = {"h2d": t0, "compute": t0, "d2h": t0}
-    arrived: dict[int, float] = {}
-    ran: dict[int, float] = {}
-    out = []
-    for step in schedule.steps:
-        k, info = step.segment, segs[step.segment]
-        if step.op == "prefetch":
-            start = max(clock["h2d"], clock["compute"] if k > 0 else t0)
-            end = start + step.nbytes / (hw.h2d_gbps * 1e9)
-            clock["h2d"] = arrived[k] = end
-        elif step.op == "wait":
-            start = clock["compute"]
-            end = clock["compute"] = max(start, arrived[k])
-        elif step.op == "run":
-            start = clock["compute"]
-            end = clock["compute"] = start + info["flops"] / (hw.compute_tflops * 1e12)
-            ran[k] = end
-        elif step.op == "grad_offload":
-            start = max(clock["d2h"], ran[k])
-            end = clock["d2h"] = start + info["grad_bytes"] / (hw.d2h_gbps * 1e9)
-        else:  # evict: instantaneous, on the compute stream's clock
-            start = end = clock["compute"]
-        out.append(TimedStep(step.op, step.stream, k, info["name"], step.nbytes or (
-            info["grad_bytes"] if step.op == "grad_offload" else 0), start, end))
-    return out, segs
+    return segs, [SegmentCost(s["name"], c.weight_bytes, c.grad_bytes, c.seconds) for s, c in zip(segs, costs)]
 
 
-def build_meta_model(source: str, layers: int | None, dtype: torch.dtype):
+def build_model_from_config(config, layers: int | None, dtype: torch.dtype):
+    """A model on the meta device (no weights allocated), keeping the first `layers` layers."""
+    import copy
+
     from transformers import AutoModelForCausalLM
-    config = load_config(source)
+    config = copy.deepcopy(config)
     if layers is not None:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:layers]
     config.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.train(), config
+    with torch.device("meta"):  # fused attention, as the real kernels (see meta_attention.py)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=meta_attention.register())
+    return model.train()
 
 
-def capture_program(model, batch: int, seq: int, slots: int) -> Program:
+def build_meta_model(source: str, layers: int | None, dtype: torch.dtype):
+    config = load_config(source)
+    model = build_model_from_config(config, layers, dtype)
+    return model, model.config
+
+
+def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware | None = None,
+                    options: dict | None = None) -> Program:
     """Compile forward and backward for meta inputs without running megatrain's runtime."""
     def capture(gm, example_inputs, **_):
-        megatrain_backend(gm, example_inputs, options={"device": "cpu", "slots": slots})
+        megatrain_backend(gm, example_inputs, options={"device": "cpu", "slots": slots, "hardware": hardware,
+                                                       **(options or {})})
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()
@@ -146,12 +104,13 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
                   slots: int = 2, hardware: Hardware, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
     t_start = time.perf_counter()
     model, config = build_meta_model(source, layers, dtype)
-    program = capture_program(model, batch, seq, slots)
+    program = capture_program(model, batch, seq, slots, hardware)
     directions, t = {}, 0.0
     for direction in ("forward", "backward"):
         runner = program.runners[direction]
-        steps, segs = simulate(runner, program, hardware, t)
-        t = max((s.end for s in steps), default=t)
+        segs, costs = segment_report(runner, hardware)
+        steps = simulate(runner.schedule.steps, costs, hardware, t)
+        t = makespan(steps, t)
         saved = 0
         if direction == "backward":
             from .passes import WEIGHT_GROUP
@@ -162,7 +121,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
                     saved += value_bytes(val)
         directions[direction] = DirectionReport(
             segs, steps, runner.schedule.peak_resident_weight_bytes(), saved,
-            program.pass_records.get(direction, []),
+            program.pass_records.get(direction, []), runner.schedule.lookahead,
             {name: body.code for name, body in runner.bodies.items()})
     params = sum(p.numel() for p in model.parameters())
     return {
@@ -187,6 +146,7 @@ def to_json(report: dict) -> str:
                            "bytes": s.nbytes, "start_s": s.start, "end_s": s.end} for s in d.steps],
                 "peak_resident_weight_bytes": d.peak_resident_weight_bytes,
                 "saved_activation_bytes": d.saved_activation_bytes,
+                "lookahead": d.lookahead,
                 "passes": [[name, status] for name, status, _ in d.passes]}
     out = {k: v for k, v in report.items() if k not in ("directions", "inspect_seconds")}
     out["directions"] = {k: conv(v) for k, v in report["directions"].items()}

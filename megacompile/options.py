@@ -50,6 +50,11 @@ class Options:
     #: Device bytes the schedule may use (int bytes, or a string like "80GiB"/"75GB"); a schedule
     #: whose planned peak exceeds it is refused with the smallest budget that fits.
     device_budget: int | str | None = None
+    #: Hardware profile for the schedule's cost model ("h200", "h100", "gh200", "a100", "cpu" =
+    #: measured here, or a JSON profile path). It picks how far ahead weights are prefetched
+    #: (at most slots - 1). None: on CUDA, the built-in profile matching the GPU's name, if any;
+    #: on the CPU, no cost model (always prefetch slots - 1 ahead, as the accelerator would).
+    hardware: str | None = None
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.
@@ -80,6 +85,13 @@ class Options:
     def validate(self) -> None:
         if self.device_budget is not None:
             self.device_budget_bytes  # raises ConfigError when malformed
+        if self.hardware is not None:
+            from pathlib import Path
+
+            from .hardware import NAMES, Hardware
+            if not isinstance(self.hardware, Hardware) and self.hardware not in NAMES and not Path(self.hardware).is_file():
+                raise ConfigError(f"option hardware={self.hardware!r}: use one of {', '.join(NAMES)} "
+                                  "or the path of a JSON hardware profile.")
         if not isinstance(self.slots, int) or self.slots < 1:
             raise ConfigError(f"option slots={self.slots!r}: need an integer >= 1 (2 overlaps one transfer with compute).")
         try:
@@ -90,6 +102,16 @@ class Options:
             raise ConfigError("option device='cuda' but no CUDA device is available; use device='cpu'.")
         if dev.type not in ("cpu", "cuda"):
             raise ConfigError(f"option device={self.device!r}: megatrain runs on 'cuda' or 'cpu'.")
+
+    def hardware_profile(self):
+        """The Hardware the cost model uses, or None."""
+        from .hardware import BUILTIN, load_hardware
+        if self.hardware is not None:
+            return load_hardware(self.hardware, torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16)
+        if self.torch_device.type == "cuda":
+            gpu = torch.cuda.get_device_name(self.torch_device).lower()
+            return next((hw for name, hw in BUILTIN.items() if name in gpu), None)
+        return None
 
     @property
     def torch_device(self) -> torch.device:

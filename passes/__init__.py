@@ -31,6 +31,7 @@ class PassContext:
     module_groups: dict[str, int] = dataclasses.field(default_factory=dict)  # module FQN -> weight group
     recompute_head: bool = False        # also recompute the head (logits) in the backward
     device_budget: int | None = None    # bytes the schedule may use on the device (None: unchecked)
+    hardware: Any = None                # megacompile.hardware.Hardware for the cost model (None: none)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..cost_model import dim_hint
 from ..errors import MegatrainError
 from . import WEIGHT_GROUP, PassContext, graph_pass
 from .dedupe_bodies import BODY
@@ -30,13 +31,6 @@ _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
 
 class CannotFitError(MegatrainError):
     """The schedule's peak device bytes exceed the device budget."""
-
-
-def dim_hint(d) -> int:
-    """A size as an int (symbolic sizes: the hint they were traced with)."""
-    if isinstance(d, torch.SymInt):
-        return int(d.node.hint) if d.node.has_hint() else 1
-    return int(d)
 
 
 def _tensor_bytes(v: torch.Tensor) -> int:

@@ -3,8 +3,12 @@ waited on, evicted, and when its gradients leave the device.
 
 The schedule is data (`gm.meta["mt_schedule"]`): the runtime executes it and tools print it.
 With `slots` weight slots, up to `slots` weight-reading segments are resident: the running one
-and the ones prefetched ahead of it. A prefetch is issued right after an evict frees a slot,
-so residency never exceeds the budget. In the backward, each parameter's gradient is offloaded
+and up to `slots - 1` prefetched ahead of it. A prefetch is issued right after an evict frees a
+slot, so residency never exceeds the budget. How far ahead to prefetch (the lookahead) comes
+from the cost model when a hardware profile is known (`ctx.hardware`): the schedule is
+simulated for every lookahead the slots allow and the smallest one within 1% of the fastest
+wins, in the forward and in the backward (whose bodies include the recompute). Without a
+profile the lookahead is `slots - 1`. In the backward, each parameter's gradient is offloaded
 right after the segment that finalises it.
 
     prefetch s0, prefetch s1 | wait s0, run s0, [grad_offload s0], evict s0, prefetch s2 |
@@ -16,7 +20,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
+from ..cost_model import logical_bytes
 from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
+from .dedupe_bodies import BODY
 from .split_segments import SEGMENT
 
 SCHEDULE = "mt_schedule"
@@ -37,6 +43,8 @@ class SegmentInfo:
     weights: list[int]             # flat indices of the parameters it reads
     grads: list[tuple[int, str]] = field(default_factory=list)  # (flat index, value) finalised here
     weight_nbytes: int = 0
+    body: str = ""                 # the deduplicated body it runs ("" = its own submodule)
+    grad_nbytes: dict[int, int] = field(default_factory=dict)     # flat index -> gradient bytes
 
 
 @dataclass
@@ -45,6 +53,7 @@ class Schedule:
     slots: int
     segments: list[SegmentInfo]
     steps: list[Step]
+    lookahead: int = 1             # weight-reading segments prefetched ahead of the running one
 
     def peak_resident_weight_bytes(self) -> int:
         resident, peak = 0, 0
@@ -64,19 +73,22 @@ def _segment_infos(gm: fx.GraphModule, ctx: PassContext) -> list[SegmentInfo]:
             weights = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
                               if a.op == "placeholder" and WEIGHT_GROUP in a.meta})
             infos.append(SegmentInfo(n.target, n.meta[SEGMENT]["group"], weights,
-                                     weight_nbytes=sum(ctx.weight_nbytes.get(i, 0) for i in weights)))
+                                     weight_nbytes=sum(ctx.weight_nbytes.get(i, 0) for i in weights),
+                                     body=n.meta.get(BODY, "")))
             where[n] = len(infos) - 1
     if ctx.direction == "backward":
         out = next(n for n in gm.graph.nodes if n.op == "output")
         for flat_index, value in enumerate(out.args[0]):
             if isinstance(value, fx.Node) and flat_index in ctx.flat_groups and value.op == "call_function":
-                infos[where[value.args[0]]].grads.append((flat_index, value.name))
+                seg = infos[where[value.args[0]]]
+                seg.grads.append((flat_index, value.name))
+                seg.grad_nbytes[flat_index] = logical_bytes(value.meta.get("val"))
     return infos
 
 
-@graph_pass("schedule", requires=(SEGMENT,), provides=())
-def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    segments = _segment_infos(gm, ctx)
+def build_steps(segments: list[SegmentInfo], lookahead: int) -> list[Step]:
+    """The step list for `segments` in execution order, keeping `lookahead` weight-reading
+    segments prefetched ahead of the running one (so `lookahead + 1` resident)."""
     fetching = [k for k, s in enumerate(segments) if s.weights]
     steps: list[Step] = []
     issued = 0
@@ -87,7 +99,7 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         steps.append(Step("prefetch", "h2d", k, segments[k].weight_nbytes))
         issued += 1
 
-    while issued < min(ctx.slots, len(fetching)):
+    while issued < min(lookahead + 1, len(fetching)):
         prefetch_next()
     for k, seg in enumerate(segments):
         if seg.weights:
@@ -99,5 +111,40 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             steps.append(Step("evict", "compute", k, seg.weight_nbytes))
             if issued < len(fetching):
                 prefetch_next()
-    gm.meta[SCHEDULE] = Schedule(ctx.direction, ctx.slots, segments, steps)
+    return steps
+
+
+def choose_lookahead(segments: list[SegmentInfo], costs, hw, slots: int) -> int:
+    """The smallest lookahead (<= slots - 1) whose simulated time is within 1% of the best.
+
+    Prefetching further ahead only helps while transfers are exposed (bytes / link bandwidth
+    above the compute they can hide behind); every extra slot costs a segment of device memory.
+    """
+    from ..simulate import makespan, simulate
+    times = [makespan(simulate(build_steps(segments, d), costs, hw)) for d in range(slots)]
+    best = min(times)
+    return next(d for d, t in enumerate(times) if t <= best * 1.01)
+
+
+def segment_costs(gm: fx.GraphModule, segments: list[SegmentInfo], hw) -> list:
+    """Per-segment cost (body time on `hw`, bytes moved) for the simulator."""
+    from ..cost_model import body_seconds
+    from ..simulate import SegmentCost
+    costs, cache = [], {}
+    for seg in segments:
+        body = gm.get_submodule(seg.body or seg.name)
+        if id(body) not in cache:
+            cache[id(body)] = body_seconds(body, hw)
+        grad_bytes = sum(seg.grad_nbytes.values())
+        costs.append(SegmentCost(seg.name, seg.weight_nbytes, grad_bytes, cache[id(body)]))
+    return costs
+
+
+@graph_pass("schedule", requires=(SEGMENT,), provides=())
+def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    segments = _segment_infos(gm, ctx)
+    lookahead = ctx.slots - 1
+    if ctx.hardware is not None and ctx.slots > 1:
+        lookahead = choose_lookahead(segments, segment_costs(gm, segments, ctx.hardware), ctx.hardware, ctx.slots)
+    gm.meta[SCHEDULE] = Schedule(ctx.direction, ctx.slots, segments, build_steps(segments, lookahead), lookahead)
     return gm

@@ -1,0 +1,250 @@
+"""Cost model of a lowered body: what it computes and moves, and how long that takes on a profile.
+
+A body's time is estimated op by op from its traced shapes:
+  * matmul-like ops (mm, addmm, bmm, baddbmm, scaled-dot-product attention, grouped expert
+    matmuls) are compute bound: FLOPs / `compute_tflops`;
+  * every other op that materialises a tensor (elementwise, norms, softmax, reductions, copies)
+    is memory bound: bytes read + written / `device_memory_gbps`;
+  * every dispatched op pays `op_overhead_us` (kernel launch, dispatcher).
+Views and getitems are free. Everything here is linear in the batch size at a fixed sequence
+length, which `megatrain plan` relies on to extrapolate from two traced batch sizes.
+
+On a profile with `measure_ops` (the measured `cpu` profile, where the machine running the
+planner is the machine that will train), rooflines are too crude: CPU kernels for log-softmax,
+attention or zero-filled allocations run far below the memory bandwidth. There each distinct
+op (target, shapes, strides, dtypes) is run once on random inputs of its traced shapes and
+timed (`measured_body_seconds`); ops too large to run cheaply, or that fail on random inputs,
+fall back to the roofline.
+"""
+from __future__ import annotations
+
+import math
+import operator
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .hardware import Hardware
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
+_FREE = {operator.getitem, aten.view.default, aten._unsafe_view.default, aten.alias.default,
+         aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
+         aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int,
+         aten.detach.default, aten.as_strided.default, aten.split.Tensor, aten.split_with_sizes.default}
+
+
+@dataclass(frozen=True)
+class BodyCost:
+    flops: int           # matmul/attention FLOPs
+    memory_bytes: int    # bytes read + written by memory-bound ops
+    ops: int             # dispatched ops
+
+    def seconds(self, hw: Hardware) -> float:
+        return (self.flops / (hw.compute_tflops * 1e12) + self.memory_bytes / (hw.device_memory_gbps * 1e9)
+                + self.ops * hw.op_overhead_us * 1e-6)
+
+    def __add__(self, other: "BodyCost") -> "BodyCost":
+        return BodyCost(self.flops + other.flops, self.memory_bytes + other.memory_bytes, self.ops + other.ops)
+
+
+def dim_hint(d) -> int:
+    """A size as an int (symbolic sizes: the hint they were traced with)."""
+    if isinstance(d, torch.SymInt):
+        return int(d.node.hint) if d.node.has_hint() else 1
+    return int(d)
+
+
+def _numel(val) -> int:
+    return math.prod(dim_hint(d) for d in val.shape)
+
+
+def logical_bytes(val) -> int:
+    """Bytes of a value's elements (views count their own extent, not their base)."""
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    return sum(_numel(v) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
+
+
+def node_flops(n: fx.Node) -> int:
+    """FLOPs of a matmul-like node (0 for anything else)."""
+    val = n.meta.get("val")
+    name = str(n.target)
+    if n.target in _MATMULS and isinstance(val, torch.Tensor):
+        a = n.args[1] if n.target in (aten.addmm.default, aten.baddbmm.default) else n.args[0]
+        return 2 * _numel(val) * dim_hint(a.meta["val"].shape[-1])
+    if "scaled_dot_product" in name and isinstance(n.args[0], fx.Node):
+        q, k = n.args[0].meta["val"], n.args[1].meta["val"]
+        b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
+        sq, sk, d = dim_hint(q.shape[-2]), dim_hint(k.shape[-2]), dim_hint(q.shape[-1])
+        factor = 2.5 if "backward" in name else 1.0   # backward ~ 2.5x the forward matmuls
+        return int(factor * 4 * b_h * sq * sk * d)
+    if "attention_estimate" in name:  # meta_attention.py: a fused kernel; causal skips half
+        q, k = n.args[1 if "backward" in name else 0].meta["val"], n.args[2 if "backward" in name else 1].meta["val"]
+        b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
+        flops = 4 * b_h * dim_hint(q.shape[-2]) * dim_hint(k.shape[-2]) * dim_hint(q.shape[-1])
+        causal = n.args[-1] is True
+        return int(flops * (2.5 if "backward" in name else 1.0) * (0.5 if causal else 1.0))
+    if "grouped_mm" in name and isinstance(n.args[0], fx.Node):
+        x, w = n.args[0].meta["val"], n.args[1].meta["val"]
+        rows, k, out = dim_hint(x.shape[0]), dim_hint(w.shape[-2]), dim_hint(w.shape[-1])
+        return (4 if "backward" in name else 2) * rows * k * out
+    return 0
+
+
+def body_cost(body: fx.GraphModule) -> BodyCost:
+    flops = memory = ops = 0
+    for n in body.graph.nodes:
+        if n.op != "call_function" or n.target in _FREE or getattr(n.target, "is_view", False):
+            continue
+        ops += 1
+        f = node_flops(n)
+        if f:
+            flops += f
+        else:
+            memory += logical_bytes(n.meta.get("val")) + sum(logical_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+    return BodyCost(flops, memory, ops)
+
+
+# -- measured op times (profiles with measure_ops) ----------------------------------------------
+
+#: ops above these sizes are not run (their roofline estimate is used): keeps planning fast
+MEASURE_MAX_FLOPS, MEASURE_MAX_BYTES = 4e10, 2**28
+_measured: dict[tuple, float] = {}
+
+
+def _key(n: fx.Node) -> tuple:
+    def sig(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return ("T", tuple(dim_hint(d) for d in v.shape), tuple(dim_hint(d) for d in v.stride()), v.dtype)
+            return ("V", str(v))
+        if isinstance(a, (list, tuple)):
+            return tuple(sig(x) for x in a)
+        return repr(a)
+    return (str(n.target), sig(n.args), sig(tuple(sorted(n.kwargs.items()))))
+
+
+def _materialize(a):
+    if isinstance(a, fx.Node):
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            shape, stride = [dim_hint(d) for d in v.shape], [dim_hint(d) for d in v.stride()]
+            extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+            base = torch.empty(extent, dtype=v.dtype, device="cpu")
+            if v.dtype.is_floating_point:
+                base.normal_(0, 0.02)
+            elif v.dtype == torch.bool:
+                base.fill_(True)
+            else:
+                base.zero_()   # valid indices for embeddings, gathers and targets
+            return base.as_strided(shape, stride)
+        if isinstance(v, torch.SymInt):
+            return dim_hint(v)
+        return v
+    if isinstance(a, (list, tuple)):
+        return type(a)(_materialize(x) for x in a)
+    return a
+
+
+def _measure(n: fx.Node) -> float | None:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    with unset_fake_temporarily():
+        return _measure_real(n)
+
+
+def _measure_real(n: fx.Node) -> float | None:
+    target = n.target
+    args, kwargs = _materialize(n.args), {k: _materialize(v) for k, v in n.kwargs.items()}
+    if "attention_estimate" in str(target):  # time the fused kernel it stands for
+        q, k, v = (args[1:4] if "backward" in str(target) else args[0:3])
+        causal = args[-1]
+        if "backward" in str(target):
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            def target(*_a, **_k):
+                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                out.backward(torch.ones_like(out))
+        else:
+            def target(*_a, **_k):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    try:
+        target(*args, **kwargs)   # warm up (and first-touch pages, as a real step has them)
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            target(*args, **kwargs)
+            times.append(time.perf_counter() - t0)
+    except Exception:   # an op that random inputs cannot drive: use the roofline
+        return None
+    times.sort()
+    if "attention_estimate_backward" in str(n.target):  # measured forward + backward: remove the forward
+        return max(times[1] * 0.7, 0.0)
+    return times[1]
+
+
+def _op_level_seconds(body: fx.GraphModule, hw: Hardware) -> float:
+    """Body time from measured op times (roofline for ops too large or not runnable)."""
+    total = 0.0
+    for n in body.graph.nodes:
+        if n.op != "call_function" or n.target in _FREE or getattr(n.target, "is_view", False):
+            continue
+        key = _key(n)
+        if key not in _measured:
+            f = node_flops(n)
+            nbytes = logical_bytes(n.meta.get("val")) + sum(logical_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+            t = _measure(n) if f <= MEASURE_MAX_FLOPS and nbytes <= MEASURE_MAX_BYTES else None
+            if t is None:
+                t = BodyCost(f, 0 if f else nbytes, 1).seconds(hw)
+            _measured[key] = t
+        total += _measured[key] + hw.op_overhead_us * 1e-6
+    return total
+
+
+def _on_cpu(body: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a meta-traced body whose factory ops (arange, zeros, full...) create CPU tensors."""
+    graph = fx.Graph()
+    graph.graph_copy(body.graph, {})
+    meta = torch.device("meta")
+    for n in graph.nodes:
+        if n.kwargs.get("device") in (meta, "meta"):
+            n.kwargs = {**n.kwargs, "device": torch.device("cpu")}
+    return fx.GraphModule(body, graph)
+
+
+def measured_body_seconds(body: fx.GraphModule, hw: Hardware) -> float:
+    """Time one call of the whole body on random inputs of its traced shapes (allocation, cache
+    and interpreter effects included); op by op when the body is too large or cannot run."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+    cost = body_cost(body)
+    key = (body.code, tuple(_key(n)[1] for n in placeholders))
+    if key in _measured:
+        return _measured[key]
+    t = None
+    if cost.flops <= 10 * MEASURE_MAX_FLOPS and cost.memory_bytes <= 10 * MEASURE_MAX_BYTES:
+        with unset_fake_temporarily():
+            try:
+                inputs = [_materialize(n) for n in placeholders]
+                body = _on_cpu(body)
+                body(*inputs)   # warm up
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    body(*inputs)
+                    times.append(time.perf_counter() - t0)
+                t = sorted(times)[1]
+            except Exception:   # random inputs cannot drive it: time it op by op
+                t = None
+    if t is None:
+        t = _op_level_seconds(body, hw)
+    _measured[key] = t
+    return t
+
+
+def body_seconds(body: fx.GraphModule, hw: Hardware) -> float:
+    """Estimated time of one call of `body` on `hw`."""
+    if hw.measure_ops:
+        return measured_body_seconds(body, hw)
+    return body_cost(body).seconds(hw)

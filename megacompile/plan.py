@@ -1,0 +1,372 @@
+"""`megatrain plan`: host RAM, device memory, the best batch size and the expected speed of a
+model on a machine, without allocating the model.
+
+How it is derived (nothing here is a hand formula for a particular architecture):
+  1. The full model is built on the meta device; its parameters give the host store's bytes.
+  2. Each decoder layer gets a kind: its parameters' names, shapes and dtypes plus its
+     `layer_types` entry (sliding/full/linear attention). A model is captured with the shortest
+     prefix of layers that holds every kind, at two batch sizes, through the real Dynamo capture,
+     AOTAutograd partition and passes (as `megatrain inspect` does).
+  3. From those captures, per segment: weight and gradient bytes, body cost (`cost_model.py`),
+     the bytes each layer saves for the backward, and the memory plan's peak. All of these are
+     linear in the batch size at a fixed sequence length, so two captures give every batch size.
+  4. The full-depth schedule (every layer mapped to its kind's segments) is built by the same
+     `build_steps` the schedule pass uses and simulated on the hardware profile
+     (`simulate.py`); the CPU optimizer step follows it (the runtime does not overlap them yet).
+  5. Device peak = the captured plan's peak + the saved bytes of the layers the prefix left out
+     (exact when the peak is where every saved activation is live: end of forward/start of
+     backward; an upper bound otherwise).
+
+Host bytes per trainable parameter of a bf16/fp16 model: fp32 master 4 + AdamW m and v 8 +
+bf16 transfer copy 2 (pinned on CUDA) + fp32 gradient 4 = 18. An fp32 model's parameter is its
+own master and transfer copy: 16.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .cost_model import body_seconds
+from .errors import MegatrainError
+from .hardware import Hardware
+from .passes.memory_plan import value_bytes
+from .passes.schedule import build_steps, choose_lookahead
+from .simulate import SegmentCost, makespan, simulate
+
+GiB = 2**30
+#: host bytes the process needs besides the store (torch, CUDA context, model code, tokenizer)
+PROCESS_OVERHEAD = {"cuda": 4 * GiB, "cpu": 1 * GiB}
+#: device bytes not available to the schedule (CUDA context, allocator fragmentation)
+DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_BYTES = 0.05, 1 * GiB
+#: host bytes the optimizer step streams per parameter: read master, m, v, grad (16), write
+#: master, m, v (12), refresh the transfer copy (4)
+OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+class CannotPlanError(MegatrainError):
+    """The model cannot train on this machine as asked; the message says what would fit."""
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# -- host store -----------------------------------------------------------------------------
+
+@dataclass
+class HostBytes:
+    masters: int
+    optimizer_state: int
+    transfer_copy: int
+    grads: int
+    pinned: int            # part of transfer_copy (pinned on CUDA so copies are asynchronous)
+    process_overhead: int
+
+    @property
+    def total(self) -> int:
+        return self.masters + self.optimizer_state + self.transfer_copy + self.grads + self.process_overhead
+
+
+def host_bytes(model: torch.nn.Module, device_type: str) -> HostBytes:
+    masters = opt = transfer = grads = 0
+    for p in model.parameters():
+        n = p.numel()
+        low = p.dtype in (torch.bfloat16, torch.float16)
+        transfer += n * p.element_size() if low else 0
+        masters += 4 * n if p.requires_grad or not low else 0
+        if p.requires_grad:
+            opt += 8 * n
+            grads += 4 * n
+    if not transfer:  # fp32 model: the parameter is master and transfer copy
+        pinned = masters if device_type == "cuda" else 0
+    else:
+        pinned = transfer if device_type == "cuda" else 0
+    return HostBytes(masters, opt, transfer, grads, pinned, PROCESS_OVERHEAD.get(device_type, GiB))
+
+
+# -- layer kinds ----------------------------------------------------------------------------
+
+def layer_kinds(model: torch.nn.Module, config) -> tuple[str, list[int]]:
+    """(layer stack prefix, kind id of every layer); identical parameters + layer type = same kind."""
+    from .capture import find_layer_stack
+    prefix, stack = find_layer_stack(model)
+    types = getattr(config, "layer_types", None) or [None] * len(stack)
+    sigs: dict[tuple, int] = {}
+    kinds = []
+    for i, layer in enumerate(stack):
+        sig = (types[i] if i < len(types) else None,
+               tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters()))
+        kinds.append(sigs.setdefault(sig, len(sigs)))
+    return prefix, kinds
+
+
+# -- captured costs ---------------------------------------------------------------------------
+
+@dataclass
+class DirectionCosts:
+    """One direction of a captured prefix: segments in execution order with their costs."""
+    infos: list                 # SegmentInfo per segment (schedule.py)
+    seconds: list[float]        # estimated body time per segment (cost_model.body_seconds)
+    layer: list[int | None]     # decoder layer index of each segment (None: prologue/embed/head)
+    saved: list[int]            # bytes of forward outputs (saved for the backward) per segment
+    peak: int                   # memory plan peak of the captured prefix
+
+
+@dataclass
+class Capture:
+    batch: int
+    directions: dict[str, DirectionCosts]
+
+
+def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
+    from .inspect import build_model_from_config, capture_program
+    model = build_model_from_config(config, layers, dtype)
+    program = capture_program(model, batch, seq, slots, hw, options)
+    num_layers = program.capture.num_layers
+    out = {}
+    for direction, runner in program.runners.items():
+        top = runner.graph
+        segs = runner.schedule.segments
+        produced = {}
+        for k, n in enumerate(c for c in top.graph.nodes if c.op == "call_module"):
+            for name in n.meta["mt_segment"]["outputs"]:
+                produced[name] = k
+        saved = [0] * len(segs)
+        if direction == "forward":
+            result = next(n for n in top.graph.nodes if n.op == "output")
+            for a in result.all_input_nodes:
+                if a.name in produced:
+                    saved[produced[a.name]] += value_bytes(a.meta.get("val"))
+        layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
+        cache: dict[int, float] = {}
+        seconds = [cache.setdefault(id(c.body), body_seconds(c.body, hw)) if id(c.body) not in cache
+                   else cache[id(c.body)] for c in runner.calls]
+        out[direction] = DirectionCosts(segs, seconds, layer, saved, runner.plan.peak_bytes if runner.plan else 0)
+    return Capture(batch, out)
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+@dataclass
+class BatchEstimate:
+    batch: int
+    device_peak_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+    optimizer_seconds: float
+
+    @property
+    def step_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds + self.optimizer_seconds
+
+
+@dataclass
+class Plan:
+    model: dict
+    hardware: dict
+    seq: int
+    slots: int
+    lookahead: dict[str, int]
+    host: HostBytes
+    host_ram: int
+    device_capacity: int
+    device_weight_bytes: int           # resident weights at the peak
+    batches: list[BatchEstimate]       # estimates for batch 1, 2, 4, ... up to the largest that fits
+    max_batch: int                     # largest batch that fits (0: none)
+    best: BatchEstimate | None         # highest tokens/s among those that fit
+    requested_batch: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def tokens_per_s(self, b: BatchEstimate) -> float:
+        return b.batch * self.seq / b.step_seconds
+
+    def to_dict(self) -> dict:
+        d = {"version": 1, "model": self.model, "hardware": self.hardware, "seq": self.seq, "slots": self.slots,
+             "lookahead": self.lookahead, "host": {**asdict(self.host), "total": self.host.total},
+             "host_ram": self.host_ram, "device_capacity": self.device_capacity,
+             "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
+             "fits": self.fits, "problems": self.problems,
+             "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
+                         for b in self.batches]}
+        d["best_batch"] = self.best.batch if self.best else None
+        return d
+
+
+class _Model:
+    """The captured prefix at two batch sizes, extrapolated to any batch and the full depth."""
+
+    def __init__(self, full_kinds: list[int], prefix_len: int, a: Capture, b: Capture, hw: Hardware):
+        self.kinds, self.k, self.a, self.b, self.hw = full_kinds, prefix_len, a, b, hw
+        rep = {}
+        for i in range(prefix_len):
+            rep.setdefault(full_kinds[i], i)
+        self.rep = [i if i < prefix_len else rep[full_kinds[i]] for i in range(len(full_kinds))]
+
+    def _lerp(self, x: float, y: float, batch: int) -> float:
+        return x + (y - x) * (batch - self.a.batch) / (self.b.batch - self.a.batch)
+
+    def expand(self, direction: str, batch: int) -> tuple[list, list[SegmentCost]]:
+        """Full-depth segments (SegmentInfo) and their costs at `batch`, in execution order."""
+        da, db = self.a.directions[direction], self.b.directions[direction]
+        seconds = [max(0.0, self._lerp(ta, tb, batch)) for ta, tb in zip(da.seconds, db.seconds)]
+        by_layer: dict[int, list[int]] = {}
+        for j, layer in enumerate(da.layer):
+            if layer is not None:
+                by_layer.setdefault(layer, []).append(j)
+        first = next(j for j, layer in enumerate(da.layer) if layer is not None)
+        last = max(j for j, layer in enumerate(da.layer) if layer is not None)
+        order = range(len(self.kinds)) if da.layer[first] <= da.layer[last] else reversed(range(len(self.kinds)))
+        index = list(range(first)) + [j for i in order for j in by_layer[self.rep[i]]] \
+            + list(range(last + 1, len(da.infos)))
+        infos = [da.infos[j] for j in index]
+        costs = [SegmentCost(da.infos[j].name, da.infos[j].weight_nbytes, sum(da.infos[j].grad_nbytes.values()),
+                             seconds[j]) for j in index]
+        return infos, costs
+
+    def extra_saved(self, batch: int) -> float:
+        """Saved-for-backward bytes of the layers the captured prefix left out."""
+        def per_layer(c: Capture) -> dict[int, int]:
+            d = c.directions["forward"]
+            out: dict[int, int] = {}
+            for layer, s in zip(d.layer, d.saved):
+                if layer is not None:
+                    out[layer] = out.get(layer, 0) + s
+            return out
+        sa, sb = per_layer(self.a), per_layer(self.b)
+        return sum(self._lerp(sa[self.rep[i]], sb[self.rep[i]], batch) for i in range(self.k, len(self.kinds)))
+
+    def device_peak(self, batch: int) -> int:
+        peak_a = max(d.peak for d in self.a.directions.values())
+        peak_b = max(d.peak for d in self.b.directions.values())
+        return int(self._lerp(peak_a, peak_b, batch) + self.extra_saved(batch))
+
+
+def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, seq: int = 4096,
+               batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
+               max_batch: int = 4096, options: dict | None = None) -> Plan:
+    """Plan training `source` (preset, config.json or model directory) on `hardware`."""
+    from .inspect import build_meta_model
+    model, config = build_meta_model(source, None, dtype)
+    device_type = "cpu" if hardware.name == "cpu" else "cuda"
+    host = host_bytes(model, device_type)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    _, kinds = layer_kinds(model, config)
+    del model
+    prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, options) for b in (2, 4)]
+    m = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
+
+    if host_ram is None:
+        from .hardware import _host_memory_bytes
+        host_ram = _host_memory_bytes()
+    if device_type == "cpu":  # the CPU plays the device: its bytes come out of the same RAM
+        capacity = max(0, host_ram - host.total)
+    else:
+        capacity = int(hardware.device_memory_gib * GiB * (1 - DEVICE_RESERVE_FRACTION)) - DEVICE_RESERVE_BYTES
+
+    lookahead = {}
+    for direction in ("forward", "backward"):
+        infos, costs = m.expand(direction, 1)
+        lookahead[direction] = choose_lookahead(infos, costs, hardware, slots) if slots > 1 else 0
+
+    def estimate(b: int) -> BatchEstimate:
+        times = {}
+        for direction in ("forward", "backward"):
+            infos, costs = m.expand(direction, b)
+            times[direction] = makespan(simulate(build_steps(infos, lookahead[direction]), costs, hardware))
+        opt = trainable * OPTIMIZER_BYTES_PER_PARAM / hardware.optimizer_bytes_per_s
+        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt)
+
+    # device bytes are a + slope * batch
+    p1, p2 = m.device_peak(1), m.device_peak(2)
+    slope = max(1, p2 - p1)
+    fit = 0 if p1 > capacity else min(max_batch, 1 + (capacity - p1) // slope)
+    candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
+    batches = [estimate(b) for b in candidates]
+    fitting = [b for b in batches if b.device_peak_bytes <= capacity]
+    best = max(fitting, key=lambda b: b.batch / b.step_seconds) if fitting else None
+    weights_at_peak = max(sum(sorted((s.weight_nbytes for s in m.expand(d, 1)[0]), reverse=True)[:lookahead[d] + 1])
+                          for d in lookahead)
+
+    plan = Plan(model={"source": source, "model_type": config.model_type, "layers": len(kinds),
+                       "layer_kinds": len(set(kinds)), "parameters": params, "trainable": trainable,
+                       "dtype": str(dtype).replace("torch.", ""), "captured_layers": prefix_len},
+                hardware=hardware.to_dict(), seq=seq, slots=slots, lookahead=lookahead, host=host,
+                host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
+                batches=batches, max_batch=fit, best=best, requested_batch=batch)
+    _check(plan, m, p1, slope)
+    return plan
+
+
+def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
+    """Fill `plan.problems`, each saying what would make the model fit."""
+    need = plan.host.total
+    if need > plan.host_ram:
+        plan.problems.append(
+            f"host RAM: the store needs {_fmt(need)} ({need / max(1, plan.model['parameters']):.1f} B/param) but "
+            f"{_fmt(plan.host_ram)} is available: add at least {_fmt(need - plan.host_ram)} of host RAM "
+            f"(--host-ram {math.ceil(need / 1e9)}G), or train a smaller model.")
+    if plan.max_batch < 1:
+        hints = [f"batch 1 at --seq {plan.seq} peaks at {_fmt(p1)} on the device but {_fmt(plan.device_capacity)} "
+                 "is usable"]
+        if plan.slots > 1:
+            hints.append(f"--slots 1 frees about {_fmt(plan.device_weight_bytes / (plan.slots))} of weights "
+                         "(no prefetch overlap)")
+        hints.append(f"a shorter --seq (activations grow at least linearly with it: {_fmt(slope)} per sample now)")
+        hints.append("recompute_head=True when the logits dominate")
+        plan.problems.append("device memory: " + "; ".join(hints) + ".")
+    elif plan.requested_batch and plan.requested_batch > plan.max_batch:
+        plan.problems.append(
+            f"device memory: batch {plan.requested_batch} at --seq {plan.seq} needs "
+            f"{_fmt(p1 + slope * (plan.requested_batch - 1))} but {_fmt(plan.device_capacity)} is usable: "
+            f"the largest batch that fits is {plan.max_batch}; use gradient accumulation for a larger effective batch.")
+
+
+def to_text(plan: Plan) -> str:
+    m, hw = plan.model, plan.hardware
+    h = plan.host
+    lines = [f"{m['source']} ({m['model_type']}): {m['parameters'] / 1e9:.2f}B parameters "
+             f"({m['trainable'] / 1e9:.2f}B trainable), {m['layers']} layers of {m['layer_kinds']} kind(s), "
+             f"{m['dtype']}; seq {plan.seq}; slots {plan.slots} (prefetch lookahead forward "
+             f"{plan.lookahead['forward']}, backward {plan.lookahead['backward']}); hardware {hw['name']}",
+             "",
+             "host RAM",
+             f"  fp32 master weights     {_fmt(h.masters):>12}",
+             f"  optimizer state (AdamW) {_fmt(h.optimizer_state):>12}",
+             f"  transfer copy           {_fmt(h.transfer_copy):>12}",
+             f"  gradients (fp32)        {_fmt(h.grads):>12}",
+             f"  process overhead        {_fmt(h.process_overhead):>12}",
+             f"  total                   {_fmt(h.total):>12}   of {_fmt(plan.host_ram)} "
+             f"({'fits' if h.total <= plan.host_ram else 'DOES NOT FIT'})",
+             f"  of which pinned         {_fmt(h.pinned):>12}",
+             "",
+             f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
+             f"  {'batch':>6} {'peak':>12} {'forward':>10} {'backward':>10} {'optimizer':>10} {'step':>10} "
+             f"{'tokens/s':>10}"]
+    for b in plan.batches:
+        mark = " <- best" if plan.best is b else ""
+        lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>12} {b.forward_seconds:>9.3f}s "
+                     f"{b.backward_seconds:>9.3f}s {b.optimizer_seconds:>9.3f}s {b.step_seconds:>9.3f}s "
+                     f"{plan.tokens_per_s(b):>10.0f}{mark}")
+    lines.append("")
+    lines.append(f"largest batch that fits: {plan.max_batch}")
+    if plan.best:
+        b = plan.best
+        lines.append(f"best: batch {b.batch} x seq {plan.seq} -> {b.step_seconds:.3f} s/step, "
+                     f"{plan.tokens_per_s(b):,.0f} tokens/s (optimizer not overlapped with the backward)")
+    for p in plan.problems:
+        lines.append(f"CANNOT FIT: {p}")
+    return "\n".join(lines)

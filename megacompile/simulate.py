@@ -1,0 +1,74 @@
+"""Discrete-event simulation of a schedule on a hardware profile.
+
+Three streams, as the runtime has them: `h2d` (weight prefetches), `compute` (waits, bodies,
+evicts) and `d2h` (gradient offloads). Steps are issued in schedule order by the compute
+stream, which is where the runtime issues them:
+  * a prefetch starts when it is issued and the link is free, and lasts bytes / h2d bandwidth;
+  * a wait ends when its segment's weights have arrived;
+  * a run starts when the previous run ended, and lasts the body's estimated seconds;
+  * a grad_offload starts when its run ended and the d2h link is free.
+On a profile without overlap (the CPU playing the accelerator) every copy blocks the compute
+stream, which is what the synchronous CPU runtime does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+
+
+@dataclass(frozen=True)
+class SegmentCost:
+    name: str
+    weight_bytes: int    # bytes its prefetch moves
+    grad_bytes: int      # bytes its grad_offload moves
+    seconds: float       # estimated body time on the profile
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    op: str
+    stream: str
+    segment: int
+    group: str
+    nbytes: int
+    start: float
+    end: float
+
+
+def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0) -> list[TimedStep]:
+    """Start and end time of every step of `steps` (a Schedule's steps)."""
+    clock = {"h2d": t0, "compute": t0, "d2h": t0}
+    arrived: dict[int, float] = {}
+    ran: dict[int, float] = {}
+    out = []
+    for step in steps:
+        k, cost = step.segment, costs[step.segment]
+        nbytes = step.nbytes
+        if step.op == "prefetch":
+            start = max(clock["h2d"], clock["compute"])
+            end = start + nbytes / (hw.h2d_gbps * 1e9)
+            clock["h2d"] = arrived[k] = end
+            if not hw.overlap:
+                clock["compute"] = end
+        elif step.op == "wait":
+            start = clock["compute"]
+            end = clock["compute"] = max(start, arrived[k])
+        elif step.op == "run":
+            start = clock["compute"]
+            end = clock["compute"] = start + cost.seconds
+            ran[k] = end
+        elif step.op == "grad_offload":
+            nbytes = nbytes or cost.grad_bytes
+            start = max(clock["d2h"], ran[k])
+            end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
+            if not hw.overlap:
+                clock["compute"] = end
+        else:  # evict: instantaneous, on the compute stream
+            start = end = clock["compute"]
+        out.append(TimedStep(step.op, step.stream, k, cost.name, nbytes, start, end))
+    return out
+
+
+def makespan(timed: list[TimedStep], t0: float = 0.0) -> float:
+    return max((s.end for s in timed), default=t0)
