@@ -32,6 +32,7 @@ from .passes.layer_regions import layer_regions
 from .passes.memory_plan import check_budget, memory_plan
 from .passes.recompute_boundaries import recompute_boundaries
 from .passes.retarget_device import retarget_device
+from .passes.selective_recompute import selective_recompute
 from .passes.schedule import schedule
 from .passes.split_segments import split_segments
 from .passes.tag_weights import tag_weights
@@ -40,7 +41,7 @@ from .runtime.executor import DirectionRunner
 from .runtime.weight_pool import DeviceWeightPool
 
 # retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
-JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries]
+JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, layer_regions, split_segments, dedupe_bodies, schedule, memory_plan]
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
@@ -77,6 +78,7 @@ class Program:
             slots=self.options.slots,
             module_groups=self.capture.module_groups(),
             recompute_head=self.options.recompute_head,
+            recompute=self.options.recompute,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,
@@ -86,9 +88,25 @@ class Program:
     # AOTAutograd hooks ------------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         ctx = self.context("joint")
+        budget = self.options.device_budget_bytes
+        if ctx.recompute == "selective" and budget is not None:
+            # what selective recompute may keep is what the layer-boundary schedule leaves free
+            ctx.selective_bytes = max(0, budget - self._layer_boundary_peak(joint, joint_inputs, **kwargs))
         joint = run_pipeline(joint, JOINT_PASSES, ctx)
         self.pass_records["joint"] = ctx.records
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    def _layer_boundary_peak(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> int:
+        """Planned peak device bytes of the step with layer-boundary recomputation only."""
+        from .passes.memory_plan import MEMORY_PLAN
+        ctx = self.context("joint")
+        ctx.recompute = "layer"
+        fw, bw = min_cut_rematerialization_partition(run_pipeline(joint, JOINT_PASSES, ctx), joint_inputs, **kwargs)
+        peak = 0
+        for direction, gm in (("forward", fw), ("backward", bw)):
+            top = run_pipeline(gm, DIRECTION_PASSES, self.context(direction))
+            peak = max(peak, top.meta[MEMORY_PLAN].peak_bytes if MEMORY_PLAN in top.meta else 0)
+        return peak
 
     def compile(self, direction: str, gm: fx.GraphModule, *, training: bool = True) -> DirectionRunner:
         ctx = self.context(direction)

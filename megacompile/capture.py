@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import sys
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -40,6 +40,9 @@ class ModelCapture:
     inputs: list[GraphInput]
     layer_prefix: str
     num_layers: int
+    #: group of each alias FQN of a tied weight, by where its module runs (a tied LM head's
+    #: `lm_head.weight` belongs to the head even though the parameter's group is the embedding)
+    alias_groups: dict[str, int] = field(default_factory=dict)
 
     @property
     def root(self) -> nn.Module:
@@ -61,7 +64,7 @@ class ModelCapture:
             for name in (inp.name, *inp.aliases):
                 parts = name.split(".")
                 for k in range(1, len(parts)):
-                    groups.setdefault(".".join(parts[:k]), set()).add(inp.group)
+                    groups.setdefault(".".join(parts[:k]), set()).add(self.alias_groups.get(name, inp.group))
         return {m: g.pop() for m, g in groups.items() if len(g) == 1}
 
     def group_name(self, group: int) -> str:
@@ -308,3 +311,19 @@ def _assign_outer_groups(capture: ModelCapture, gm: torch.fx.GraphModule, placeh
         if inp.kind == "param" and inp.group is None:
             before = first_use(placeholders[inp.index]) < layer0_start
             inp.group = EMBED_GROUP if before else capture.head_group
+    # aliases of tied weights: the group of the module that uses them under that name
+    from .passes.layer_regions import module_path
+    layer_re = re.compile(rf"^{re.escape(capture.layer_prefix)}\.(\d+)\.")
+    for inp in capture.inputs:
+        if inp.kind != "param" or not inp.aliases:
+            continue
+        for alias in inp.aliases:
+            m = layer_re.match(alias)
+            if m:
+                capture.alias_groups[alias] = int(m.group(1)) + 1
+                continue
+            module = alias.rpartition(".")[0]
+            uses = [order[u] for u in placeholders[inp.index].users
+                    if (module_path(u) or "") == module or (module_path(u) or "").startswith(module + ".")]
+            if uses:
+                capture.alias_groups[alias] = EMBED_GROUP if min(uses) < layer0_start else capture.head_group

@@ -14,7 +14,8 @@ def _inspect(args) -> int:
     from .hardware import load_hardware
     from .inspect import inspect_model, to_chrome_trace, to_json, to_svg, to_text
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
-                           hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype))
+                           hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
+                           options={"recompute": args.recompute})
     if args.format == "json":
         text = to_json(report)
     elif args.format == "chrome-trace":
@@ -44,7 +45,7 @@ def _plan(args) -> int:
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
     host_ram = parse_bytes(args.host_ram) if args.host_ram is not None else None
     plan = plan_model(args.model, hardware=hardware, host_ram=host_ram, seq=args.seq, batch=args.batch,
-                      slots=args.slots, dtype=dtype)
+                      slots=args.slots, dtype=dtype, options={"recompute": args.recompute})
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -65,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seq", type=int, default=4096)
     i.add_argument("--slots", type=int, default=2)
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    i.add_argument("--recompute", default="layer", choices=["layer", "selective"],
+                   help="layer: recompute whole layers; selective: keep matmul/attention outputs")
     i.add_argument("--gpu", default="h200", help="hardware profile for time estimates: a built-in name or a JSON file")
     i.add_argument("--show", default="schedule", choices=["graphs", "passes", "schedule", "memory"])
     i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
@@ -84,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--batch", type=int, help="check this batch size (default: report the largest and the best)")
     pl.add_argument("--slots", type=int, default=2, help="decoder-layer weight slots on the device")
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--recompute", default="layer", choices=["layer", "selective"],
+                    help="layer: recompute whole layers (least memory); selective: keep matmul/attention outputs")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
     return p

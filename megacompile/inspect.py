@@ -101,10 +101,11 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
 
 
 def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq: int = 4096,
-                  slots: int = 2, hardware: Hardware, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+                  slots: int = 2, hardware: Hardware, dtype: torch.dtype = torch.bfloat16,
+                  options: dict | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     model, config = build_meta_model(source, layers, dtype)
-    program = capture_program(model, batch, seq, slots, hardware)
+    program = capture_program(model, batch, seq, slots, hardware, options)
     directions, t = {}, 0.0
     for direction in ("forward", "backward"):
         runner = program.runners[direction]

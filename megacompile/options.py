@@ -47,6 +47,11 @@ class Options:
     #: min-cut partitioner saves (typically the logits: batch x seq x vocab). Saves device memory
     #: at large vocabularies for one more LM-head matmul per step.
     recompute_head: bool = False
+    #: "layer": the backward recomputes every layer from its saved input (least memory).
+    #: "selective": also keep the outputs of in-layer matmuls and attention, so the backward only
+    #: recomputes cheap elementwise ops; with `device_budget`, only as many as fit (those with
+    #: the most recompute FLOPs per byte first).
+    recompute: str = "layer"
     #: Device bytes the schedule may use (int bytes, or a string like "80GiB"/"75GB"); a schedule
     #: whose planned peak exceeds it is refused with the smallest budget that fits.
     device_budget: int | str | None = None
@@ -92,6 +97,9 @@ class Options:
             if not isinstance(self.hardware, Hardware) and self.hardware not in NAMES and not Path(self.hardware).is_file():
                 raise ConfigError(f"option hardware={self.hardware!r}: use one of {', '.join(NAMES)} "
                                   "or the path of a JSON hardware profile.")
+        if self.recompute not in ("layer", "selective"):
+            raise ConfigError(f"option recompute={self.recompute!r}: use 'layer' (least memory) or 'selective' "
+                              "(keep matmul/attention outputs, recompute only elementwise ops).")
         if not isinstance(self.slots, int) or self.slots < 1:
             raise ConfigError(f"option slots={self.slots!r}: need an integer >= 1 (2 overlaps one transfer with compute).")
         try:

@@ -32,6 +32,8 @@ class PassContext:
     recompute_head: bool = False        # also recompute the head (logits) in the backward
     device_budget: int | None = None    # bytes the schedule may use on the device (None: unchecked)
     hardware: Any = None                # megacompile.hardware.Hardware for the cost model (None: none)
+    recompute: str = "layer"            # "layer": recompute whole layers; "selective": keep costly ops
+    selective_bytes: int | None = None  # extra bytes selective recompute may keep (None: no limit)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

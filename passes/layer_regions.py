@@ -72,7 +72,12 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for n in nodes:
         if n.op == "placeholder":
             if WEIGHT_GROUP in n.meta:
-                asap[n] = group_rank(n.meta[WEIGHT_GROUP], ctx)
+                # a weight is available to every segment that fetches it: a tied weight read by
+                # modules of several groups (embedding and LM head) bounds its readers by the
+                # earliest of them, not by the group that owns it
+                ranks = [group_rank(n.meta[WEIGHT_GROUP], ctx)]
+                ranks += [r for u in n.users if (r := _preferred_rank(u, ctx)) is not None]
+                asap[n] = min(ranks)
         elif n.op != "output":
             deps = [asap[a] for a in n.all_input_nodes if a in asap]
             if deps:
