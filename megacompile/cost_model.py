@@ -93,10 +93,14 @@ def node_flops(n: fx.Node) -> int:
     return 0
 
 
-def body_cost(body: fx.GraphModule) -> BodyCost:
+def body_cost(body: fx.GraphModule, recompute_only: bool = False) -> BodyCost:
+    """Cost of a body; `recompute_only`: just the forward ops a backward body recomputes (the
+    partitioner tags them `partitioner_tag="is_forward"`)."""
     flops = memory = ops = 0
     for n in body.graph.nodes:
         if n.op != "call_function" or n.target in _FREE or getattr(n.target, "is_view", False):
+            continue
+        if recompute_only and n.meta.get("partitioner_tag") != "is_forward":
             continue
         ops += 1
         f = node_flops(n)

@@ -21,7 +21,7 @@ def config_json(tmp_path):
 def test_json_report_of_a_config_file(config_json, capsys):
     assert main(["inspect", str(config_json), "--seq", "16", "--format", "json", "--gpu", "h100"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["version"] == 1 and report["model"]["layers"] == 3
+    assert report["version"] == 2 and report["model"]["layers"] == 3
     assert report["model"]["distinct_layer_bodies"] == 1 and report["hardware"]["name"] == "h100"
     fw, bw = report["directions"]["forward"], report["directions"]["backward"]
     names = [s["name"] for s in fw["segments"]]
@@ -29,13 +29,20 @@ def test_json_report_of_a_config_file(config_json, capsys):
     for d in (fw, bw):
         for s in d["steps"]:
             assert s["end_s"] >= s["start_s"] >= 0
-            assert s["stream"] in {"h2d", "compute", "d2h"}
-        # a run never starts before its segment's weights arrived
+            assert s["stream"] in {"h2d", "compute", "d2h", "host"}
+        # a body never starts before its segment's weights arrived
         arrived = {s["segment"]: s["end_s"] for s in d["steps"] if s["op"] == "prefetch"}
         for s in d["steps"]:
-            if s["op"] == "run" and s["segment"] in arrived:
+            if s["op"] in ("forward", "recompute", "backward") and s["segment"] in arrived:
                 assert s["start_s"] >= arrived[s["segment"]]
-    assert any(s["op"] == "grad_offload" for s in bw["steps"])
+    assert {s["op"] for s in fw["steps"]} == {"prefetch", "wait", "forward", "evict"}
+    assert {"recompute", "backward", "grad_offload", "optimizer"} <= {s["op"] for s in bw["steps"]}
+    # each layer's backward replays its forward first (layer-boundary recomputation)
+    layer_segs = [s["index"] for s in bw["segments"] if s["name"].startswith("model.layers.")]
+    assert all(0 < bw["segments"][k]["recompute_fraction"] < 1 for k in layer_segs)
+    opt = next(s for s in bw["steps"] if s["op"] == "optimizer")
+    assert opt["stream"] == "host" and opt["start_s"] == report["forward_backward_seconds"]
+    assert report["step_seconds"] == opt["end_s"] > report["forward_backward_seconds"]
     assert bw["saved_activation_bytes"] > 0
     assert report["step_seconds"] >= max(s["end_s"] for s in fw["steps"])
 
@@ -44,7 +51,7 @@ def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):
     out = tmp_path / "trace.json"
     assert main(["inspect", str(config_json), "--seq", "16", "--format", "chrome-trace", "-o", str(out)]) == 0
     events = json.loads(out.read_text())["traceEvents"]
-    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"compute", "h2d", "d2h"}
+    assert {e["args"]["name"] for e in events if e["ph"] == "M"} == {"compute", "h2d", "d2h", "host"}
     assert any(e["ph"] == "X" and e["name"].startswith("prefetch") for e in events)
     svg = tmp_path / "timeline.svg"
     assert main(["inspect", str(config_json), "--seq", "16", "--format", "svg", "-o", str(svg)]) == 0
