@@ -160,6 +160,7 @@ class BatchEstimate:
     forward_seconds: float
     backward_seconds: float
     optimizer_seconds: float
+    captured: bool = False       # device peak from a capture at this batch (else interpolated)
 
     @property
     def step_seconds(self) -> float:
@@ -207,6 +208,7 @@ class _Model:
 
     def __init__(self, full_kinds: list[int], prefix_len: int, a: Capture, b: Capture, hw: Hardware):
         self.kinds, self.k, self.a, self.b, self.hw = full_kinds, prefix_len, a, b, hw
+        self.checked: dict[int, int] = {}   # batch -> peak from a capture at that batch
         rep = {}
         for i in range(prefix_len):
             rep.setdefault(full_kinds[i], i)
@@ -246,6 +248,8 @@ class _Model:
         return sum(self._lerp(sa[self.rep[i]], sb[self.rep[i]], batch) for i in range(self.k, len(self.kinds)))
 
     def device_peak(self, batch: int) -> int:
+        if batch in self.checked:   # captured at this batch (see plan_model)
+            return self.checked[batch]
         peak_a = max(d.peak for d in self.a.directions.values())
         peak_b = max(d.peak for d in self.b.directions.values())
         return int(self._lerp(peak_a, peak_b, batch) + self.extra_saved(batch))
@@ -288,12 +292,31 @@ def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, 
             infos, costs = m.expand(direction, b)
             times[direction] = makespan(simulate(build_steps(infos, lookahead[direction]), costs, hardware))
         opt = trainable * OPTIMIZER_BYTES_PER_PARAM / hardware.optimizer_bytes_per_s
-        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt)
+        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
+                             captured=b in (2, 4) or b in m.checked)
 
-    # device bytes are a + slope * batch
+    # Device bytes are linear in the batch within each step, but the peak is the max over steps,
+    # which can move to a step whose bytes grow faster: a convex function, which the chord from
+    # batch 2 to 4 under-estimates beyond 4. So the largest batch is checked by capturing it, and
+    # the chord refitted through the checked point until the check passes.
     p1, p2 = m.device_peak(1), m.device_peak(2)
     slope = max(1, p2 - p1)
     fit = 0 if p1 > capacity else min(max_batch, 1 + (capacity - p1) // slope)
+    anchor_b, anchor_p = 4, m.device_peak(4)
+    for _ in range(4):
+        if fit <= anchor_b:
+            break
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cap = _capture(config, prefix_len, fit, seq, slots, dtype, hardware, options)
+        measured = max(d.peak for d in cap.directions.values()) + int(m.extra_saved(fit))
+        m.checked[fit] = measured
+        if measured <= capacity:
+            break
+        slope = max(1, (measured - anchor_p) // (fit - anchor_b))
+        fit = max(anchor_b, min(fit - 1, anchor_b + (capacity - anchor_p) // slope))
+        if anchor_p > capacity:
+            fit = max(0, min(fit, 1 + (capacity - p1) // max(1, p2 - p1)) if p1 <= capacity else 0)
     candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
     batches = [estimate(b) for b in candidates]
     fitting = [b for b in batches if b.device_peak_bytes <= capacity]
@@ -358,9 +381,10 @@ def to_text(plan: Plan) -> str:
              f"{'tokens/s':>10}"]
     for b in plan.batches:
         mark = " <- best" if plan.best is b else ""
-        lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>12} {b.forward_seconds:>9.3f}s "
+        lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>11}{'*' if b.captured else ' '} {b.forward_seconds:>9.3f}s "
                      f"{b.backward_seconds:>9.3f}s {b.optimizer_seconds:>9.3f}s {b.step_seconds:>9.3f}s "
                      f"{plan.tokens_per_s(b):>10.0f}{mark}")
+    lines.append("  (* captured at that batch; other peaks interpolated from batch 2 and 4)")
     lines.append("")
     lines.append(f"largest batch that fits: {plan.max_batch}")
     if plan.best:
