@@ -94,10 +94,13 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             pref = _preferred_rank(n, ctx)
             if pref is not None and asap[n] <= pref <= alap:
                 rank[n] = pref
-            elif ctx.direction != "backward" and module_path(n) is None:
+            elif module_path(n) is None and (ctx.direction != "backward"
+                                             or all(u.op == "output" for u in n.users)):
                 # top-level forward glue (the model's own forward, e.g. a long skip
                 # `x + 0.5 * h_k`): compute it where it is consumed, so the producing layer keeps
-                # the shape of its identical siblings
+                # the shape of its identical siblings. In the backward, the same holds for a
+                # final gradient summed from several groups (a tied embedding's
+                # `grad_embed + grad_head`): it is finished by the last group that contributes.
                 rank[n] = alap
             else:
                 rank[n] = asap[n]

@@ -30,6 +30,11 @@ def test_depth_does_not_change_the_number_of_bodies():
     _, c3 = compile_and_step(3, "qwen3")
     _, c12 = compile_and_step(12, "qwen3")
     assert megacompile.stats(c3)["distinct_bodies"] == megacompile.stats(c12)["distinct_bodies"]
+    # tied embedding/LM head: the tied gradient is summed in the embedding's backward segment,
+    # so the first layer's backward stays identical to the others
+    for c in (c3, c12):
+        s = megacompile.stats(c)
+        assert (s["distinct_layer_bodies"], s["distinct_backward_layer_bodies"]) == (1, 1)
 
 
 def test_layers_of_different_shape_are_not_merged():

@@ -1,0 +1,70 @@
+"""The supported decoder-only families, as tiny random configs built from their config classes.
+
+Adding a family is one entry: the transformers `model_type`, the config overrides that make it
+tiny (and exercise what is special about it), and the number of structurally distinct decoder
+layers it has (found from the graph by the compiler; stated here from the architecture).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=128, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    overrides: dict = field(default_factory=dict)
+    layer_kinds: int = 1           # structurally distinct decoder layers
+    why: str = ""                  # what the entry exercises
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in [
+    # dense
+    Family("llama"),
+    Family("mistral", {"sliding_window": 4}, why="sliding-window attention"),
+    Family("qwen2", why="q/k/v biases"),
+    Family("qwen3", {"tie_word_embeddings": True}, why="q/k norms, tied embeddings"),
+    Family("gemma2", {"sliding_window": 4, "num_hidden_layers": 4}, 1,
+           why="alternating sliding/global layers that differ only in the mask they read (one body), "
+               "logit softcapping"),
+    Family("gemma3_text", {"sliding_window": 4, "num_hidden_layers": 3, "sliding_window_pattern": 2}, 2,
+           why="sliding + global layers with their own rotary tables (two layer kinds in the graph)"),
+    Family("phi3", why="fused qkv and gate_up projections"),
+    Family("olmo2", why="post-norms, q/k norms"),
+    Family("glm4", why="partial rotary, post-attention/-MLP norms"),
+    Family("smollm3", {"no_rope_layer_interval": 2, "num_hidden_layers": 4}, 2,
+           why="layers without rotary embedding (NoPE) every other layer: two layer kinds"),
+    # hybrid linear + full attention
+    Family("qwen3_next", {"num_hidden_layers": 4, "full_attention_interval": 2, "num_experts": 4,
+                          "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                          "shared_expert_intermediate_size": 16, "linear_num_key_heads": 2,
+                          "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                          "linear_conv_kernel_dim": 2}, 2,
+           why="Gated DeltaNet linear attention + gated full attention, MoE with a shared expert"),
+    # mixture of experts
+    Family("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+           why="stacked 3-D expert weights"),
+    Family("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    Family("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4}, 2,
+           why="attention sinks, expert biases, alternating sliding/full attention"),
+    Family("deepseek_v3", {"num_hidden_layers": 3, "first_k_dense_replace": 1, "n_routed_experts": 4,
+                           "n_shared_experts": 1, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                           "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+                           "v_head_dim": 8, "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, 2,
+           why="MLA attention, shared experts, a first dense layer"),
+]}
+
+
+def tiny_family_model(name: str, dtype=torch.float32, seed: int = 0):
+    fam = FAMILIES[name]
+    cfg = AutoConfig.for_model(fam.model_type, **{**COMMON, **fam.overrides})
+    cfg.use_cache = False
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).to(dtype).train()
