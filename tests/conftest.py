@@ -50,3 +50,28 @@ def _fresh_dynamo():
 @pytest.fixture
 def clone():
     return copy.deepcopy
+
+
+class Fp32MasterReference:
+    """Eager reference for a bf16 model: bf16 compute, fp32 grads, fp32 masters and AdamW state."""
+
+    def __init__(self, model, lr):
+        self.model = model
+        self.masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+        self.opt = torch.optim.AdamW(self.masters, lr=lr)
+
+    def __call__(self, **kw):
+        return self.model(**kw)
+
+    def step(self):
+        for p, m in zip(self.model.parameters(), self.masters):
+            m.grad = p.grad.float()
+            p.grad = None
+        self.opt.step()
+        self.opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(self.model.parameters(), self.masters):
+                p.copy_(m)
+
+    def zero_grad(self):
+        pass

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megacompile
-from conftest import batch, tiny_model
+from conftest import Fp32MasterReference, batch, tiny_model
 
 SHAPES = [(2, 8, 0), (2, 8, 2), (3, 11, 3), (2, 9, 1), (3, 7, 0)]  # (batch, seq, left padding)
 
@@ -79,35 +79,10 @@ def test_bf16_gradients_are_fp32_and_accumulate():
         torch.testing.assert_close(p.grad, e, rtol=2e-2, atol=2e-3)
 
 
-class _Fp32MasterReference:
-    """Eager reference for a bf16 model: bf16 compute, fp32 grads, fp32 masters and AdamW state."""
-
-    def __init__(self, model, lr):
-        self.model = model
-        self.masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-        self.opt = torch.optim.AdamW(self.masters, lr=lr)
-
-    def __call__(self, **kw):
-        return self.model(**kw)
-
-    def step(self):
-        for p, m in zip(self.model.parameters(), self.masters):
-            m.grad = p.grad.float()
-            p.grad = None
-        self.opt.step()
-        self.opt.zero_grad()
-        with torch.no_grad():
-            for p, m in zip(self.model.parameters(), self.masters):
-                p.copy_(m)
-
-    def zero_grad(self):
-        pass
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bf16_model_trains_with_fp32_masters(family):
     model = tiny_model(family, layers=2, dtype=torch.bfloat16)
-    ref = _Fp32MasterReference(copy.deepcopy(model), lr=1e-3)
+    ref = Fp32MasterReference(copy.deepcopy(model), lr=1e-3)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ours = run_steps(model, cmodel, opt, 4)
