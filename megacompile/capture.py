@@ -162,6 +162,15 @@ def check_model(root: nn.Module, training: bool, use_cache: Any) -> None:
             "decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, Mixtral, DeepSeek, ...). "
             "Use a *ForCausalLM model."
         )
+    # Decoder-only LMs mark their attention causal; an encoder's attention is bidirectional
+    # (BERT, RoBERTa, ModernBERT ...). Hybrid layers without attention modules carry no flag.
+    flags = [m.is_causal for m in root.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    if flags and not any(flags) and not getattr(config, "is_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(root).__name__} (model_type={model_type!r}) is an encoder-only model (bidirectional "
+            "attention); megatrain trains decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, Mixtral, "
+            "DeepSeek, ...) and the language stack of VLMs. Use a *ForCausalLM model."
+        )
     if training and use_cache:
         raise UnsupportedModelError(
             "use_cache=True during training: the KV cache would keep every layer's keys and values on the "
@@ -234,6 +243,12 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
         _, _, place = _break_site(model)
     else:
         why, site, place = _break_site(model)
+    if "torch/utils/hooks.py" in (site or ""):
+        raise GraphBreakError(
+            f"{type(model).__name__} asked for router logits, hidden states or attentions "
+            "(output_router_logits / output_hidden_states / output_attentions), which transformers collects "
+            "with forward hooks that Dynamo cannot trace (graph break at " + site + "). Set them to False in "
+            "the config and the call; the router auxiliary loss is not supported by megatrain yet.")
     raise GraphBreakError(
         f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
         f"{' at ' + site if site else ''} ({why}). megatrain needs the whole forward in one graph to schedule "

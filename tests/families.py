@@ -23,10 +23,11 @@ class Family:
     overrides: dict = field(default_factory=dict)
     layer_kinds: int = 1           # structurally distinct decoder layers
     why: str = ""                  # what the entry exercises
+    name: str = ""                 # the matrix key when one model_type has several entries
     backward_layer_kinds: int | None = None   # when the backward lowers more bodies (a known gap)
 
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in [
+FAMILIES: dict[str, Family] = {f.name or f.model_type: f for f in [
     # dense
     Family("llama"),
     Family("mistral", {"sliding_window": 4}, why="sliding-window attention"),
