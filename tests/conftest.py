@@ -40,6 +40,34 @@ def batch(b: int = 2, s: int = 8, seed: int = 0, pad_left: int = 0):
     return ids, mask, labels
 
 
+def run_steps(model, call, opt, steps, shapes):
+    """`steps` training steps of `call` (compiled or eager), cycling through (batch, seq, left
+    padding) `shapes`; returns the losses."""
+    losses = []
+    for i in range(steps):
+        b, s, pad = shapes[i % len(shapes)]
+        ids, mask, labels = batch(b, s, seed=i, pad_left=pad)
+        loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def assert_step_matches_eager(model, ref, cmodel, pad_left: int = 0) -> None:
+    """One forward + backward of `cmodel` (compiled `model`) and of the eager copy `ref`: the same
+    loss and the same gradients."""
+    ids, mask, labels = batch(2, 8, pad_left=pad_left)
+    loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()

@@ -13,24 +13,15 @@ import pytest
 import torch
 
 import megacompile
-from conftest import Fp32MasterReference
-from families import FAMILIES, VOCAB, tiny_family_model
+from conftest import Fp32MasterReference, run_steps
+from families import FAMILIES, tiny_family_model
+
+
+SHAPES = [(2, 8, 0), (2, 8, 1), (2, 8, 2)]   # left padding that changes between steps
 
 
 def steps(model, call, opt, n=3):
-    g = torch.Generator().manual_seed(0)
-    losses = []
-    for i in range(n):
-        ids = torch.randint(3, VOCAB, (2, 8), generator=g)
-        mask = torch.ones_like(ids)
-        labels = ids.clone()
-        mask[0, :i], labels[0, :i] = 0, -100   # left padding that changes between steps
-        loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return run_steps(model, call, opt, n, SHAPES)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -8,21 +8,13 @@ import torch
 
 import megacompile
 from conftest import Fp32MasterReference, batch, tiny_model
+from conftest import run_steps as _run_steps
 
 SHAPES = [(2, 8, 0), (2, 8, 2), (3, 11, 3), (2, 9, 1), (3, 7, 0)]  # (batch, seq, left padding)
 
 
 def run_steps(model, call, opt, steps, shapes=SHAPES):
-    losses = []
-    for i in range(steps):
-        b, s, pad = shapes[i % len(shapes)]
-        ids, mask, labels = batch(b, s, seed=i, pad_left=pad)
-        loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return _run_steps(model, call, opt, steps, shapes)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import batch, tiny_config, tiny_model
+from conftest import assert_step_matches_eager, tiny_config, tiny_model
 from megacompile.cli import main
 from megacompile.hardware import BUILTIN, Hardware, load_hardware
 from megacompile.plan import plan_model
@@ -48,7 +48,6 @@ def test_largest_batch_is_the_edge_of_the_device(config_json, tmp_path):
     hw = load_hardware(str(profile))
     plan = plan_model(str(config_json), hardware=hw, host_ram=2**36, seq=2048)
     assert plan.fits and 1 <= plan.max_batch < 4096
-    from megacompile.plan import _Model  # noqa: F401  (the linear model the edge comes from)
     rows = {b.batch: b for b in plan.batches}
     assert rows[plan.max_batch].device_peak_bytes <= plan.device_capacity
     slope = rows[2].device_peak_bytes - rows[1].device_peak_bytes
@@ -142,14 +141,7 @@ def test_cost_model_picks_the_prefetch_lookahead(tmp_path, h2d_gbps, clone):
     ref = clone(model)
     cmodel = torch.compile(model, backend="megatrain", options={
         "device": "cpu", "slots": 3, "hardware": _hardware_json(tmp_path, "link", h2d_gbps)})
-    ids, mask, labels = batch(2, 8)
-    loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    loss.backward()
-    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_step_matches_eager(model, ref, cmodel)
     program = programs_of(model)[-1]
     hw = program.hardware
     for runner in program.runners.values():

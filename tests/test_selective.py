@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import megacompile
-from conftest import batch, tiny_model
+from conftest import assert_step_matches_eager, tiny_model
 from megacompile.backend import programs_of
 from megacompile.cost_model import body_cost
 from megacompile.errors import ConfigError
@@ -18,14 +18,7 @@ def step(**options):
     model = tiny_model("llama", layers=3)
     ref = copy.deepcopy(model)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **options})
-    ids, mask, labels = batch(2, 8, pad_left=1)
-    loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    loss.backward()
-    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_step_matches_eager(model, ref, cmodel, pad_left=1)
     program = programs_of(model)[-1]
     bw = program.runners["backward"]
     saved = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in bw.graph.graph.nodes
