@@ -247,8 +247,10 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
         raise GraphBreakError(
             f"{type(model).__name__} asked for router logits, hidden states or attentions "
             "(output_router_logits / output_hidden_states / output_attentions), which transformers collects "
-            "with forward hooks that Dynamo cannot trace (graph break at " + site + "). Set them to False in "
-            "the config and the call; the router auxiliary loss is not supported by megatrain yet.")
+            "with forward hooks it registers on the first call that asks for them; Dynamo cannot trace that "
+            "registration (graph break at " + site + "). Run the model once eagerly before compiling it "
+            "(e.g. one forward under torch.no_grad(); after a failed compile also call "
+            "torch._dynamo.reset()), or set those flags to False.")
     raise GraphBreakError(
         f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
         f"{' at ' + site if site else ''} ({why}). megatrain needs the whole forward in one graph to schedule "

@@ -57,20 +57,49 @@ def test_non_decoder_only_models_are_refused_before_any_work(model_type, kind, c
     assert kind in msg and repr(model_type) in msg and "ForCausalLM" in msg
 
 
-def test_router_logits_request_is_a_clear_error():
-    """transformers collects router logits with forward hooks Dynamo cannot trace (a known gap:
-    the router auxiliary loss is not supported yet); the error says which flag to turn off."""
+def _moe_with_router_logits():
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                               num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True)
-    model = AutoModelForCausalLM.from_config(cfg).train()
+                               num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True,
+                               router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
+def test_router_logits_request_says_how_to_compile_it():
+    """transformers registers its router-logit hooks on the first call that asks for them, which
+    Dynamo cannot trace; the error gives the recipe."""
+    model = _moe_with_router_logits()
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
     ids = torch.randint(0, 128, (2, 8))
     with pytest.raises(Exception) as e:
         cmodel(input_ids=ids, labels=ids, use_cache=False)
     msg = raised(e, megacompile.GraphBreakError)
-    assert "output_router_logits" in msg and "Set them to False" in msg
+    assert "output_router_logits" in msg and "once eagerly before compiling" in msg
+
+
+def test_router_aux_loss_trains_after_one_eager_call():
+    """The recipe from the error: with the hooks registered by one eager forward, the whole model
+    compiles as one graph and the load-balancing loss is part of the trained loss."""
+    import copy
+    model = _moe_with_router_logits()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+    ref = copy.deepcopy(model)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    out = cmodel(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    expected = ref(input_ids=ids, labels=ids, use_cache=False)
+    expected.loss.backward()
+    assert out.aux_loss is not None and expected.aux_loss.item() > 0
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.aux_loss, expected.aux_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    router = [p for n, p in model.named_parameters() if "gate.weight" in n and "experts" not in n]
+    assert router and all(p.grad is not None and p.grad.abs().sum() > 0 for p in router)
 
 
 class NoLayerStack(nn.Module):
