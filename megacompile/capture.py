@@ -263,6 +263,13 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
 _LAYER_RE_CACHE: dict[str, re.Pattern] = {}
 
 
+def _layer_group(name: str, prefix: str) -> int | None:
+    """Weight group of a parameter FQN inside the decoder stack `prefix` (layer k -> k + 1)."""
+    layer_re = _LAYER_RE_CACHE.setdefault(prefix, re.compile(rf"^{re.escape(prefix)}\.(\d+)\."))
+    m = layer_re.match(name)
+    return int(m.group(1)) + 1 if m else None
+
+
 def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
                    ) -> tuple[ModelCapture, dict[int, nn.Parameter]]:
     """Map each graph input to its role, name and weight group; also return the parameters
@@ -287,7 +294,6 @@ def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     for name, p in root.named_parameters(remove_duplicate=False):
         param_names.setdefault(id(p), []).append(name)
     buffer_names = {id(b): n for n, b in root.named_buffers(remove_duplicate=False)}
-    layer_re = _LAYER_RE_CACHE.setdefault(prefix, re.compile(rf"^{re.escape(prefix)}\.(\d+)\."))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     inputs: list[GraphInput] = []
@@ -295,12 +301,7 @@ def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if isinstance(value, nn.Parameter) and id(value) in param_names:
             names = param_names[id(value)]
-            group = None
-            for n in names:
-                m = layer_re.match(n)
-                if m:
-                    group = int(m.group(1)) + 1
-                    break
+            group = next((g for n in names if (g := _layer_group(n, prefix)) is not None), None)
             inputs.append(GraphInput(i, "param", names[0], group, tuple(names[1:])))
             params[i] = value
         elif isinstance(value, torch.Tensor) and id(value) in buffer_names:
@@ -330,14 +331,13 @@ def _assign_outer_groups(capture: ModelCapture, gm: torch.fx.GraphModule, placeh
             inp.group = EMBED_GROUP if before else capture.head_group
     # aliases of tied weights: the group of the module that uses them under that name
     from .passes.layer_regions import module_path
-    layer_re = re.compile(rf"^{re.escape(capture.layer_prefix)}\.(\d+)\.")
     for inp in capture.inputs:
         if inp.kind != "param" or not inp.aliases:
             continue
         for alias in inp.aliases:
-            m = layer_re.match(alias)
-            if m:
-                capture.alias_groups[alias] = int(m.group(1)) + 1
+            layer = _layer_group(alias, capture.layer_prefix)
+            if layer is not None:
+                capture.alias_groups[alias] = layer
                 continue
             module = alias.rpartition(".")[0]
             uses = [order[u] for u in placeholders[inp.index].users

@@ -46,9 +46,6 @@ class BodyCost:
         return (self.flops / (hw.compute_tflops * 1e12) + self.memory_bytes / (hw.device_memory_gbps * 1e9)
                 + self.ops * hw.op_overhead_us * 1e-6)
 
-    def __add__(self, other: "BodyCost") -> "BodyCost":
-        return BodyCost(self.flops + other.flops, self.memory_bytes + other.memory_bytes, self.ops + other.ops)
-
 
 def dim_hint(d) -> int:
     """A size as an int (symbolic sizes: the hint they were traced with)."""
@@ -93,13 +90,22 @@ def node_flops(n: fx.Node) -> int:
     return 0
 
 
+def dispatched_ops(body: fx.GraphModule):
+    """The nodes of a body that run a kernel (views and getitems are free)."""
+    return [n for n in body.graph.nodes
+            if n.op == "call_function" and n.target not in _FREE and not getattr(n.target, "is_view", False)]
+
+
+def node_bytes(n: fx.Node) -> int:
+    """Bytes a node reads and writes."""
+    return logical_bytes(n.meta.get("val")) + sum(logical_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+
+
 def body_cost(body: fx.GraphModule, recompute_only: bool = False) -> BodyCost:
     """Cost of a body; `recompute_only`: just the forward ops a backward body recomputes (the
     partitioner tags them `partitioner_tag="is_forward"`)."""
     flops = memory = ops = 0
-    for n in body.graph.nodes:
-        if n.op != "call_function" or n.target in _FREE or getattr(n.target, "is_view", False):
-            continue
+    for n in dispatched_ops(body):
         if recompute_only and n.meta.get("partitioner_tag") != "is_forward":
             continue
         ops += 1
@@ -107,8 +113,18 @@ def body_cost(body: fx.GraphModule, recompute_only: bool = False) -> BodyCost:
         if f:
             flops += f
         else:
-            memory += logical_bytes(n.meta.get("val")) + sum(logical_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+            memory += node_bytes(n)
     return BodyCost(flops, memory, ops)
+
+
+#: host bytes the optimizer step streams per parameter: read master, m, v, grad (16), write
+#: master, m, v (12), refresh the transfer copy (4)
+OPTIMIZER_BYTES_PER_PARAM = 32
+
+
+def optimizer_seconds(trainable_params: int, hw: Hardware) -> float:
+    """The CPU AdamW step over fp32 masters: host-memory bound."""
+    return trainable_params * OPTIMIZER_BYTES_PER_PARAM / hw.optimizer_bytes_per_s
 
 
 # -- measured op times (profiles with measure_ops) ----------------------------------------------
@@ -154,50 +170,31 @@ def _materialize(a):
 
 
 def _measure(n: fx.Node) -> float | None:
+    """Median of three timed runs of one op on random inputs of its traced shapes (the
+    meta_attention ops run the CPU's fused attention kernels); None if it cannot run."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     with unset_fake_temporarily():
-        return _measure_real(n)
-
-
-def _measure_real(n: fx.Node) -> float | None:
-    target = n.target
-    args, kwargs = _materialize(n.args), {k: _materialize(v) for k, v in n.kwargs.items()}
-    if "attention_estimate" in str(target):  # time the fused kernel it stands for
-        q, k, v = (args[1:4] if "backward" in str(target) else args[0:3])
-        causal = args[-1]
-        if "backward" in str(target):
-            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            def target(*_a, **_k):
-                out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-                out.backward(torch.ones_like(out))
-        else:
-            def target(*_a, **_k):
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
-    try:
-        target(*args, **kwargs)   # warm up (and first-touch pages, as a real step has them)
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            target(*args, **kwargs)
-            times.append(time.perf_counter() - t0)
-    except Exception:   # an op that random inputs cannot drive: use the roofline
-        return None
-    times.sort()
-    if "attention_estimate_backward" in str(n.target):  # measured forward + backward: remove the forward
-        return max(times[1] * 0.7, 0.0)
-    return times[1]
+        args, kwargs = _materialize(n.args), {k: _materialize(v) for k, v in n.kwargs.items()}
+        try:
+            n.target(*args, **kwargs)   # warm up (and first-touch pages, as a real step has them)
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                n.target(*args, **kwargs)
+                times.append(time.perf_counter() - t0)
+        except Exception:   # an op that random inputs cannot drive: use the roofline
+            return None
+    return sorted(times)[1]
 
 
 def _op_level_seconds(body: fx.GraphModule, hw: Hardware) -> float:
     """Body time from measured op times (roofline for ops too large or not runnable)."""
     total = 0.0
-    for n in body.graph.nodes:
-        if n.op != "call_function" or n.target in _FREE or getattr(n.target, "is_view", False):
-            continue
+    for n in dispatched_ops(body):
         key = _key(n)
         if key not in _measured:
             f = node_flops(n)
-            nbytes = logical_bytes(n.meta.get("val")) + sum(logical_bytes(a.meta.get("val")) for a in n.all_input_nodes)
+            nbytes = node_bytes(n)
             t = _measure(n) if f <= MEASURE_MAX_FLOPS and nbytes <= MEASURE_MAX_BYTES else None
             if t is None:
                 t = BodyCost(f, 0 if f else nbytes, 1).seconds(hw)

@@ -107,7 +107,7 @@ def _best_of(fn, repeat: int, inner: int = 1) -> float:
     return best
 
 
-def _host_memory_bytes() -> int:
+def host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
@@ -146,7 +146,7 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> Hardware:
         compute_tflops=2 * n**3 / t_mm / 1e12,
         h2d_gbps=big * 4 / t_copy / 1e9,   # bytes moved per second by one copy
         d2h_gbps=big * 4 / t_copy / 1e9,
-        device_memory_gib=_host_memory_bytes() / 2**30,
+        device_memory_gib=host_memory_bytes() / 2**30,
         host_memory_gbps=copy_gbps,
         device_memory_gbps=3 * big * 4 / t_add / 1e9,
         op_overhead_us=t_op * 1e6,

@@ -30,7 +30,7 @@ import torch
 
 from .backend import Program, megatrain_backend, programs_of
 from . import meta_attention
-from .cost_model import body_cost
+from .cost_model import body_cost, optimizer_seconds
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import segment_costs
@@ -148,8 +148,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
             {name: body.code for name, body in runner.bodies.items()})
     params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from .plan import OPTIMIZER_BYTES_PER_PARAM
-    opt_end = t + trainable * OPTIMIZER_BYTES_PER_PARAM / hardware.optimizer_bytes_per_s
+    opt_end = t + optimizer_seconds(trainable, hardware)
     directions["backward"].steps.append(TimedStep("optimizer", "host", -1, "all", trainable, t, opt_end))
     return {
         "version": 2,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .cost_model import body_seconds
+from .cost_model import body_seconds, optimizer_seconds
 from .errors import MegatrainError
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
@@ -41,9 +41,6 @@ GiB = 2**30
 PROCESS_OVERHEAD = {"cuda": 4 * GiB, "cpu": 1 * GiB}
 #: device bytes not available to the schedule (CUDA context, allocator fragmentation)
 DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_BYTES = 0.05, 1 * GiB
-#: host bytes the optimizer step streams per parameter: read master, m, v, grad (16), write
-#: master, m, v (12), refresh the transfer copy (4)
-OPTIMIZER_BYTES_PER_PARAM = 32
 
 
 class CannotPlanError(MegatrainError):
@@ -144,9 +141,11 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
                 if a.name in produced:
                     saved[produced[a.name]] += value_bytes(a.meta.get("val"))
         layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
-        cache: dict[int, float] = {}
-        seconds = [cache.setdefault(id(c.body), body_seconds(c.body, hw)) if id(c.body) not in cache
-                   else cache[id(c.body)] for c in runner.calls]
+        per_body: dict[int, float] = {}
+        for c in runner.calls:
+            if id(c.body) not in per_body:
+                per_body[id(c.body)] = body_seconds(c.body, hw)
+        seconds = [per_body[id(c.body)] for c in runner.calls]
         out[direction] = DirectionCosts(segs, seconds, layer, saved, runner.plan.peak_bytes if runner.plan else 0)
     return Capture(batch, out)
 
@@ -274,25 +273,27 @@ def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, 
     m = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
 
     if host_ram is None:
-        from .hardware import _host_memory_bytes
-        host_ram = _host_memory_bytes()
+        from .hardware import host_memory_bytes
+        host_ram = host_memory_bytes()
     if device_type == "cpu":  # the CPU plays the device: its bytes come out of the same RAM
         capacity = max(0, host_ram - host.total)
     else:
         capacity = int(hardware.device_memory_gib * GiB * (1 - DEVICE_RESERVE_FRACTION)) - DEVICE_RESERVE_BYTES
 
-    lookahead = {}
+    lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
         infos, costs = m.expand(direction, 1)
         lookahead[direction] = choose_lookahead(infos, costs, hardware, slots) if slots > 1 else 0
+        resident = sorted((s.weight_nbytes for s in infos), reverse=True)[:lookahead[direction] + 1]
+        weights_at_peak = max(weights_at_peak, sum(resident))
 
     def estimate(b: int) -> BatchEstimate:
         times = {}
         for direction in ("forward", "backward"):
             infos, costs = m.expand(direction, b)
             times[direction] = makespan(simulate(build_steps(infos, lookahead[direction]), costs, hardware))
-        opt = trainable * OPTIMIZER_BYTES_PER_PARAM / hardware.optimizer_bytes_per_s
-        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
+        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"],
+                             optimizer_seconds(trainable, hardware),
                              captured=b in (2, 4) or b in m.checked)
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
@@ -314,15 +315,12 @@ def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, 
         if measured <= capacity:
             break
         slope = max(1, (measured - anchor_p) // (fit - anchor_b))
+        # (fit > 4 was reached only because batch 4 fits, so it stays a safe lower bound)
         fit = max(anchor_b, min(fit - 1, anchor_b + (capacity - anchor_p) // slope))
-        if anchor_p > capacity:
-            fit = max(0, min(fit, 1 + (capacity - p1) // max(1, p2 - p1)) if p1 <= capacity else 0)
     candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
     batches = [estimate(b) for b in candidates]
     fitting = [b for b in batches if b.device_peak_bytes <= capacity]
     best = max(fitting, key=lambda b: b.batch / b.step_seconds) if fitting else None
-    weights_at_peak = max(sum(sorted((s.weight_nbytes for s in m.expand(d, 1)[0]), reverse=True)[:lookahead[d] + 1])
-                          for d in lookahead)
 
     plan = Plan(model={"source": source, "model_type": config.model_type, "layers": len(kinds),
                        "layer_kinds": len(set(kinds)), "parameters": params, "trainable": trainable,
