@@ -32,6 +32,7 @@ from .passes.layer_regions import layer_regions
 from .passes.memory_plan import check_budget, memory_plan
 from .passes.recompute_boundaries import recompute_boundaries
 from .passes.retarget_device import retarget_device
+from .passes.routed_experts import routed_experts
 from .passes.selective_recompute import selective_recompute
 from .passes.schedule import schedule
 from .passes.split_segments import split_segments
@@ -42,7 +43,8 @@ from .runtime.weight_pool import DeviceWeightPool
 
 # retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
 JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries, selective_recompute]
-DIRECTION_PASSES = [tag_weights, layer_regions, split_segments, dedupe_bodies, schedule, memory_plan]
+DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, split_segments, dedupe_bodies, schedule,
+                    memory_plan]
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
@@ -79,6 +81,7 @@ class Program:
             module_groups=self.capture.module_groups(),
             recompute_head=self.options.recompute_head,
             recompute=self.options.recompute,
+            routed_experts=self.options.routed_experts,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,
@@ -165,6 +168,8 @@ class Program:
             "forward_seconds": self._step.get("forward_seconds", 0.0),
             "backward_seconds": self._step.get("backward_seconds", 0.0),
             "weight_bytes": sum(e.nbytes for e in self.entries.values()),
+            # stacked expert weights whose rows are fetched by routing (options routed_experts)
+            "routed_weights": len({i for seg in fw.schedule.segments for i in seg.routed}) if fw else 0,
         }
 
 

@@ -135,12 +135,13 @@ def find_root_module(example_inputs: Sequence[Any]) -> nn.Module:
     return best
 
 
-def find_layer_stack(root: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The decoder stack: the ModuleList of blocks that holds the most parameters."""
+def find_layer_stack(root: nn.Module, param_ids: set[int] | None = None) -> tuple[str, nn.ModuleList]:
+    """The decoder stack: the ModuleList of blocks that holds the most parameters (of those the
+    graph reads, when `param_ids` is given: a VLM's vision blocks are not in the language graph)."""
     best_name, best, best_count = None, None, 0
     for name, mod in root.named_modules():
         if isinstance(mod, nn.ModuleList) and len(mod) > 0:
-            count = sum(p.numel() for p in mod.parameters())
+            count = sum(p.numel() for p in mod.parameters() if param_ids is None or id(p) in param_ids)
             if count > best_count:
                 best_name, best, best_count = name, mod, count
     if best is None:
@@ -186,7 +187,10 @@ def _effective_use_cache(root: nn.Module, f_locals: dict[str, Any]) -> Any:
     else:
         value = kwargs.get("use_cache", None)
     if value is None:
-        value = getattr(getattr(root, "config", None), "use_cache", False)
+        config = getattr(root, "config", None)
+        value = getattr(config, "use_cache", None)
+        if value is None and hasattr(config, "get_text_config"):  # VLMs: the language model's config
+            value = getattr(config.get_text_config(decoder=True), "use_cache", False)
     return bool(value)
 
 
@@ -251,6 +255,14 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
             "registration (graph break at " + site + "). Run the model once eagerly before compiling it "
             "(e.g. one forward under torch.no_grad(); after a failed compile also call "
             "torch._dynamo.reset()), or set those flags to False.")
+    from .vlm import is_vlm
+    if is_vlm(model):
+        raise GraphBreakError(
+            f"{type(model).__name__} is a vision-language model: its vision tower and multimodal positions cannot "
+            f"be captured in one graph (graph break {place}{' at ' + site if site else ''}: {why}). Compile it with "
+            "megacompile.vlm.compile(model, vision='frozen' or 'train', options=...): the language stack is "
+            "compiled by megatrain and the vision tower runs eagerly on the device (after a failed compile call "
+            "torch._dynamo.reset()).")
     raise GraphBreakError(
         f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
         f"{' at ' + site if site else ''} ({why}). megatrain needs the whole forward in one graph to schedule "
@@ -287,7 +299,7 @@ def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
     f_locals = _current_frame_locals() or {}
     check_model(root, training=root.training and torch.is_grad_enabled(),
                 use_cache=_effective_use_cache(root, f_locals))
-    prefix, stack = find_layer_stack(root)
+    prefix, stack = find_layer_stack(root, {id(t) for t in example_inputs if isinstance(t, nn.Parameter)})
     num_layers = len(stack)
 
     param_names: dict[int, list[str]] = {}

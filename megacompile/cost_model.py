@@ -27,13 +27,15 @@ import torch
 import torch.fx as fx
 
 from .hardware import Hardware
+from .runtime.expert_rows import fetch_expert_rows
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
 _FREE = {operator.getitem, aten.view.default, aten._unsafe_view.default, aten.alias.default,
          aten.t.default, aten.transpose.int, aten.permute.default, aten.expand.default,
          aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor, aten.select.int,
-         aten.detach.default, aten.as_strided.default, aten.split.Tensor, aten.split_with_sizes.default}
+         aten.detach.default, aten.as_strided.default, aten.split.Tensor, aten.split_with_sizes.default,
+         fetch_expert_rows}  # (its copies are link time: the schedule's transfers)
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ class Options:
     #: (at most slots - 1). None: on CUDA, the built-in profile matching the GPU's name, if any;
     #: on the CPU, no cost model (always prefetch slots - 1 ahead, as the accelerator would).
     hardware: str | None = None
+    #: MoE: copy to the device only the experts the router picked for the batch (forward and
+    #: backward), and only their gradients back. Exact. Costs one device-to-host read of the
+    #: routing per MoE layer; pays off when batches leave experts idle.
+    routed_experts: bool = False
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

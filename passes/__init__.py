@@ -34,6 +34,7 @@ class PassContext:
     hardware: Any = None                # megacompile.hardware.Hardware for the cost model (None: none)
     recompute: str = "layer"            # "layer": recompute whole layers; "selective": keep costly ops
     selective_bytes: int | None = None  # extra bytes selective recompute may keep (None: no limit)
+    routed_experts: bool = False        # fetch only the experts the router picked (MoE)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

@@ -94,13 +94,16 @@ def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             pref = _preferred_rank(n, ctx)
             if pref is not None and asap[n] <= pref <= alap:
                 rank[n] = pref
-            elif module_path(n) is None and (ctx.direction != "backward"
-                                             or all(u.op == "output" for u in n.users)):
+            elif (module_path(n) is None and ctx.direction != "backward"
+                  or ctx.direction == "backward" and pref is None and alap == last_rank
+                  and (module_path(n) is not None or all(u.op == "output" for u in n.users))):
                 # top-level forward glue (the model's own forward, e.g. a long skip
                 # `x + 0.5 * h_k`): compute it where it is consumed, so the producing layer keeps
-                # the shape of its identical siblings. In the backward, the same holds for a
-                # final gradient summed from several groups (a tied embedding's
-                # `grad_embed + grad_head`): it is finished by the last group that contributes.
+                # the shape of its identical siblings. In the backward, the same holds for glue
+                # of the model's outer modules on the way to the embedding: a final gradient
+                # summed from several groups (a tied embedding's `grad_embed + grad_head`), or a
+                # VLM's image-feature scatter (`masked_fill(grad, image_mask, 0)`): the embedding
+                # segment finishes it, and the first decoder layer stays like the others.
                 rank[n] = alap
             else:
                 rank[n] = asap[n]

@@ -22,11 +22,13 @@ from ..cost_model import dim_hint
 from ..errors import MegatrainError
 from . import WEIGHT_GROUP, PassContext, graph_pass
 from .dedupe_bodies import BODY
+from ..runtime.expert_rows import fetch_expert_rows
 from .schedule import SCHEDULE
 from .split_segments import SEGMENT
 
 MEMORY_PLAN = "mt_memory_plan"
-_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+# fetch_expert_rows returns the (resident) weight it fills
+_ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, fetch_expert_rows}
 
 
 class CannotFitError(MegatrainError):

@@ -23,6 +23,7 @@ import torch.fx as fx
 from ..cost_model import logical_bytes
 from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
 from .dedupe_bodies import BODY
+from .routed_experts import ROUTED
 from .split_segments import SEGMENT
 
 SCHEDULE = "mt_schedule"
@@ -45,6 +46,7 @@ class SegmentInfo:
     weight_nbytes: int = 0
     body: str = ""                 # the deduplicated body it runs ("" = its own submodule)
     grad_nbytes: dict[int, int] = field(default_factory=dict)     # flat index -> gradient bytes
+    routed: list[int] = field(default_factory=list)  # weights whose expert rows are fetched by routing
 
 
 @dataclass
@@ -72,9 +74,11 @@ def _segment_infos(gm: fx.GraphModule, ctx: PassContext) -> list[SegmentInfo]:
         if n.op == "call_module" and SEGMENT in n.meta:
             weights = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
                               if a.op == "placeholder" and WEIGHT_GROUP in a.meta})
+            routed = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
+                             if a.op == "placeholder" and a.meta.get(ROUTED)})
             infos.append(SegmentInfo(n.target, n.meta[SEGMENT]["group"], weights,
                                      weight_nbytes=sum(ctx.weight_nbytes.get(i, 0) for i in weights),
-                                     body=n.meta.get(BODY, "")))
+                                     body=n.meta.get(BODY, ""), routed=routed))
             where[n] = len(infos) - 1
     if ctx.direction == "backward":
         out = next(n for n in gm.graph.nodes if n.op == "output")

@@ -107,7 +107,7 @@ class DirectionRunner:
             k = step.segment
             seg = self.schedule.segments[k]
             if step.op == "prefetch":
-                pool.fetch(k, {i: entries[i] for i in seg.weights})
+                pool.fetch(k, {i: entries[i] for i in seg.weights}, seg.routed)
             elif step.op == "wait":
                 pool.wait(k)
             elif step.op == "evict":
@@ -140,7 +140,8 @@ class DirectionRunner:
             elif step.op == "grad_offload":
                 for index, name in seg.grads:
                     grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
-                    grads_bytes += entries[index].accumulate_grad(grad)
+                    grads_bytes += entries[index].accumulate_grad(
+                        grad, pool.routed_rows.get(index) if index in seg.routed else None)
         result = []
         for spec in self.output_spec:
             if spec is None or not isinstance(spec, str):

@@ -50,12 +50,20 @@ class WeightEntry:
         """The host tensor to copy to the device."""
         return self.param.data
 
-    def accumulate_grad(self, grad: torch.Tensor) -> int:
-        """Deliver a device gradient to `param.grad` on the host as fp32; returns bytes moved."""
+    def accumulate_grad(self, grad: torch.Tensor, rows: list[int] | None = None) -> int:
+        """Deliver a device gradient to `param.grad` on the host as fp32; returns bytes moved.
+        With `rows` (routed experts), only those rows of dim 0 move: the others are zero."""
         p = self.param
-        moved = grad.numel() * grad.element_size()
-        host = grad.to("cpu", non_blocking=False)
         want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
+        if rows is None:
+            moved = grad.numel() * grad.element_size()
+            host = grad.to("cpu", non_blocking=False)
+        else:
+            index = torch.tensor(rows, dtype=torch.long)
+            part = grad[index.to(grad.device)].to("cpu", non_blocking=False)
+            moved = part.numel() * part.element_size()
+            host = torch.zeros(grad.shape, dtype=want)
+            host[index] = part.to(want)
         if host.dtype != want:
             host = host.to(want)
         if p.grad is not None:

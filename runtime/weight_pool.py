@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ResidencyError
+from . import expert_rows
 
 _ALIGN = 256
 
@@ -26,6 +27,7 @@ class Resident:
     views: dict[int, torch.Tensor]
     nbytes: int
     event: object = None
+    routed: list = None        # views whose rows are fetched by routing
 
 
 @dataclass
@@ -43,12 +45,17 @@ class DeviceWeightPool:
         self.counters = PoolCounters()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._free: dict[int, list[torch.Tensor]] = {}  # CPU only: released buffers by size
+        self.routed_rows: dict[int, list[int]] = {}  # flat index -> expert rows fetched last
 
     def reset_counters(self) -> None:
+        self.routed_rows.clear()
         self.counters = PoolCounters(resident_bytes=self.counters.resident_bytes,
                                      peak_resident_bytes=self.counters.resident_bytes)
 
-    def fetch(self, key: int, entries: dict[int, "WeightEntry"]) -> None:  # noqa: F821
+    def fetch(self, key: int, entries: dict[int, "WeightEntry"], routed=()) -> None:  # noqa: F821
+        """Copy a segment's weights into one device buffer. `routed` weights (stacked experts)
+        get their place in the buffer but no copy: their bodies fetch the rows the router picks
+        (`runtime/expert_rows.py`)."""
         if len(self.resident) >= self.slots:
             raise ResidencyError(
                 f"schedule asked for more than slots={self.slots} resident segments "
@@ -67,16 +74,19 @@ class DeviceWeightPool:
             for i, src in sources.items():
                 n = src.numel() * src.element_size()
                 view = buffer[offsets[i]:offsets[i] + n].view(src.dtype).view(src.shape)
-                view.copy_(src, non_blocking=stream is not None)
+                if i in routed:
+                    expert_rows.expect(view, src, i, self)
+                else:
+                    view.copy_(src, non_blocking=stream is not None)
                 views[i] = view
         event = None
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
         nbytes = sum(s.numel() * s.element_size() for s in sources.values())
-        self.resident[key] = Resident(buffer, views, nbytes, event)
+        self.resident[key] = Resident(buffer, views, nbytes, event, [views[i] for i in routed])
         c = self.counters
-        c.h2d_bytes += nbytes
+        c.h2d_bytes += sum(s.numel() * s.element_size() for i, s in sources.items() if i not in routed)
         c.resident_bytes += nbytes
         c.peak_resident_bytes = max(c.peak_resident_bytes, c.resident_bytes)
 
@@ -89,8 +99,15 @@ class DeviceWeightPool:
     def views(self, key: int) -> dict[int, torch.Tensor]:
         return self.resident[key].views
 
+    def record_rows(self, index: int, rows: list[int], nbytes: int) -> None:
+        """A routed weight's body fetched `rows` (its gradient leaves the device for those only)."""
+        self.routed_rows[index] = rows
+        self.counters.h2d_bytes += nbytes
+
     def evict(self, key: int) -> None:
         res = self.resident.pop(key)
+        for view in res.routed:
+            expert_rows.forget(view)
         self.counters.resident_bytes -= res.nbytes
         if self.copy_stream is None:
             res.views.clear()

@@ -85,20 +85,21 @@ class Fp32MasterReference:
 
     def __init__(self, model, lr):
         self.model = model
-        self.masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().clone().requires_grad_() for p in self.trained]
         self.opt = torch.optim.AdamW(self.masters, lr=lr)
 
     def __call__(self, **kw):
         return self.model(**kw)
 
     def step(self):
-        for p, m in zip(self.model.parameters(), self.masters):
+        for p, m in zip(self.trained, self.masters):
             m.grad = p.grad.float()
             p.grad = None
         self.opt.step()
         self.opt.zero_grad()
         with torch.no_grad():
-            for p, m in zip(self.model.parameters(), self.masters):
+            for p, m in zip(self.trained, self.masters):
                 p.copy_(m)
 
     def zero_grad(self):

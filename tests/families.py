@@ -72,10 +72,8 @@ FAMILIES: dict[str, Family] = {f.name or f.model_type: f for f in [
            why="lightning linear attention + softmax attention, experts"),
     Family("falcon_h1", {"num_hidden_layers": 3, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,
                          "mamba_d_ssm": 64, "mamba_d_state": 8, "mamba_chunk_size": 4}, 1,
-           why="attention and Mamba2 in parallel inside every layer, muP multipliers",
-           # known gap: the gradient of the embedding multiplier (`model`-level, claimed by no
-           # group) is computed in the first layer's backward, which then lowers its own body
-           backward_layer_kinds=2),
+           why="attention and Mamba2 in parallel inside every layer, muP multipliers (the embedding "
+               "multiplier's gradient is finished in the embedding's backward: one backward layer body)"),
     # more dense
     Family("olmo3", {"sliding_window": 4, "num_hidden_layers": 4}, 2, why="sliding + full attention layers"),
     Family("exaone4", {"sliding_window": 4, "num_hidden_layers": 4, "sliding_window_pattern": 2}, 2,
@@ -103,9 +101,9 @@ FAMILIES: dict[str, Family] = {f.name or f.model_type: f for f in [
 ]}
 
 
-def tiny_family_model(name: str, dtype=torch.float32, seed: int = 0):
+def tiny_family_model(name: str, dtype=torch.float32, seed: int = 0, **overrides):
     fam = FAMILIES[name]
-    cfg = AutoConfig.for_model(fam.model_type, **{**COMMON, **fam.overrides})
+    cfg = AutoConfig.for_model(fam.model_type, **{**COMMON, **fam.overrides, **overrides})
     cfg.use_cache = False
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg).to(dtype).train()
