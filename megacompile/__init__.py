@@ -9,6 +9,9 @@ from .backend import megatrain_backend, stats
 from .errors import ConfigError, GraphBreakError, MegatrainError, ResidencyError, UnsupportedModelError
 from .options import Options
 from .runtime.store import master_weight
+from . import output_hooks
+
+output_hooks.register()
 
 __all__ = [
     "megatrain_backend", "stats", "Options", "master_weight",

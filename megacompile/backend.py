@@ -24,6 +24,7 @@ from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from . import output_hooks
 from .capture import ModelCapture, capture_inputs
 from .options import Options
 from .passes import PassContext, run_pipeline
@@ -176,6 +177,7 @@ class Program:
 def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_ignored):
     """TorchDynamo backend entry point (registered as "megatrain" via entry points)."""
     opts = Options.from_mapping(options)
+    output_hooks.register()  # again: torch._dynamo.reset() drops it
     capture, params = capture_inputs(gm, example_inputs)
     program = Program(capture, params, opts)
     trace_inputs = example_inputs

@@ -248,13 +248,22 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
     else:
         why, site, place = _break_site(model)
     if "torch/utils/hooks.py" in (site or ""):
+        from .output_hooks import install_requested_hooks
+        if install_requested_hooks(model):
+            raise GraphBreakError(
+                f"{type(model).__name__}: transformers' output-capturing hooks (router logits, hidden states or "
+                "attentions, asked for by the config) were not installed before Dynamo traced the model, most "
+                "likely because torch._dynamo.reset() ran after megacompile was imported. megatrain has installed "
+                "them now: call torch._dynamo.reset() (Dynamo keeps the split frames otherwise) and call the model "
+                "again.")
         raise GraphBreakError(
             f"{type(model).__name__} asked for router logits, hidden states or attentions "
             "(output_router_logits / output_hidden_states / output_attentions), which transformers collects "
             "with forward hooks it registers on the first call that asks for them; Dynamo cannot trace that "
-            "registration (graph break at " + site + "). Run the model once eagerly before compiling it "
-            "(e.g. one forward under torch.no_grad(); after a failed compile also call "
-            "torch._dynamo.reset()), or set those flags to False.")
+            "registration (graph break at " + site + "). megatrain installs them before tracing when the model's "
+            "config asks for them: set e.g. model.config.output_router_logits = True instead of passing the flag "
+            "in the call, or run the model once eagerly before compiling it (e.g. one forward under "
+            "torch.no_grad()); after a failed compile also call torch._dynamo.reset().")
     from .vlm import is_vlm
     if is_vlm(model):
         raise GraphBreakError(

@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 import torch._dynamo
+
+import megacompile
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 VOCAB = 128
@@ -71,6 +73,7 @@ def assert_step_matches_eager(model, ref, cmodel, pad_left: int = 0) -> None:
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
+    megacompile.output_hooks.register()  # reset() drops Dynamo's compile-start callbacks
     yield
     torch._dynamo.reset()
 

@@ -57,36 +57,35 @@ def test_non_decoder_only_models_are_refused_before_any_work(model_type, kind, c
     assert kind in msg and repr(model_type) in msg and "ForCausalLM" in msg
 
 
-def _moe_with_router_logits():
+def _moe_with_router_logits(in_config=True):
     from transformers import AutoConfig, AutoModelForCausalLM
     cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
-                               num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=True,
+                               num_experts_per_tok=2, moe_intermediate_size=16, output_router_logits=in_config,
                                router_aux_loss_coef=0.5)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).train()
 
 
-def test_router_logits_request_says_how_to_compile_it():
+def test_router_logits_asked_only_in_the_call_says_how_to_compile_it():
     """transformers registers its router-logit hooks on the first call that asks for them, which
-    Dynamo cannot trace; the error gives the recipe."""
-    model = _moe_with_router_logits()
+    Dynamo cannot trace; megatrain installs them before tracing when the config asks for them,
+    but a flag passed only in the call is not visible then: the error gives the recipe."""
+    model = _moe_with_router_logits(in_config=False)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
     ids = torch.randint(0, 128, (2, 8))
     with pytest.raises(Exception) as e:
-        cmodel(input_ids=ids, labels=ids, use_cache=False)
+        cmodel(input_ids=ids, labels=ids, use_cache=False, output_router_logits=True)
     msg = raised(e, megacompile.GraphBreakError)
-    assert "output_router_logits" in msg and "once eagerly before compiling" in msg
+    assert "output_router_logits" in msg and "config" in msg and "once eagerly before compiling" in msg
 
 
-def test_router_aux_loss_trains_after_one_eager_call():
-    """The recipe from the error: with the hooks registered by one eager forward, the whole model
-    compiles as one graph and the load-balancing loss is part of the trained loss."""
+def test_router_aux_loss_trains_from_the_first_compiled_call():
+    """With `output_router_logits=True` in the config, the whole model compiles as one graph on
+    its first call (megacompile/output_hooks.py) and the load-balancing loss trains like eager."""
     import copy
     model = _moe_with_router_logits()
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
     ref = copy.deepcopy(model)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
     out = cmodel(input_ids=ids, labels=ids, use_cache=False)
@@ -100,6 +99,7 @@ def test_router_aux_loss_trains_after_one_eager_call():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     router = [p for n, p in model.named_parameters() if "gate.weight" in n and "experts" not in n]
     assert router and all(p.grad is not None and p.grad.abs().sum() > 0 for p in router)
+    assert megacompile.stats(cmodel)["compiled_graphs"] == 1
 
 
 class NoLayerStack(nn.Module):
@@ -170,3 +170,18 @@ def test_impossible_option_values(bad):
 def test_default_device_follows_availability():
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert megacompile.Options.from_mapping({}).device == expected
+
+
+def test_router_aux_loss_after_a_dynamo_reset_needs_one_more_call():
+    """torch._dynamo.reset() drops the compile-start callback that installs the hooks: the first
+    call says so and installs them; after the reset it asks for, the next call is one graph."""
+    model = _moe_with_router_logits()
+    torch._dynamo.reset()
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(Exception) as e:
+        cmodel(input_ids=ids, labels=ids, use_cache=False)
+    assert "call the model again" in raised(e, megacompile.GraphBreakError)
+    torch._dynamo.reset()
+    out = cmodel(input_ids=ids, labels=ids, use_cache=False)
+    assert out.aux_loss is not None and megacompile.stats(cmodel)["compiled_graphs"] == 1
