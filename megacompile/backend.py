@@ -38,14 +38,15 @@ from .passes.selective_recompute import selective_recompute
 from .passes.schedule import schedule
 from .passes.split_segments import split_segments
 from .passes.tag_weights import tag_weights
+from .passes.unshare_weight_views import unshare_weight_views
 from .runtime import store
 from .runtime.executor import DirectionRunner
 from .runtime.weight_pool import DeviceWeightPool
 
 # retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
-JOINT_PASSES = [tag_weights, layer_regions, recompute_boundaries, selective_recompute]
-DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, split_segments, dedupe_bodies, schedule,
-                    memory_plan]
+JOINT_PASSES = [tag_weights, unshare_weight_views, layer_regions, recompute_boundaries, selective_recompute]
+DIRECTION_PASSES = [tag_weights, unshare_weight_views, routed_experts, layer_regions, split_segments, dedupe_bodies,
+                    schedule, memory_plan]
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
