@@ -44,8 +44,8 @@ from .runtime.executor import DirectionRunner
 from .runtime.weight_pool import DeviceWeightPool
 
 # retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
-JOINT_PASSES = [tag_weights, unshare_weight_views, layer_regions, recompute_boundaries, selective_recompute]
-DIRECTION_PASSES = [tag_weights, unshare_weight_views, routed_experts, layer_regions, split_segments, dedupe_bodies,
+JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
+DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
                     schedule, memory_plan]
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).

@@ -1,54 +1,25 @@
-"""Give every weight group its own copy of a weight view that several groups read.
+"""Give every segment its own copy of a weight view that several segments read.
 
 Layers that share one module (Zamba2's shared transformer block runs in every hybrid layer)
 read the same parameters, and tracing CSEs their views: one `t(w_q)` feeds the q projection of
-layer 1 and of layer 3. Left alone, layer 3 would read a value computed in layer 1's segment,
-which keeps a view of layer 1's weight buffer alive past its eviction and makes layer 3's body
-differ from layer 1's. Views are free, so each group recomputes its own:
+layer 1 and of layer 3 (in the backward too, where the gradient matmuls read `t(w)`). Left
+alone, layer 3 would read a value computed in layer 1's segment, which keeps a view of layer 1's
+weight buffer alive past its eviction and makes layer 3's body differ from layer 1's. Views are
+free, so each segment recomputes its own from the weight, which it then fetches itself:
 
     before:  w_q ─ t ─┬─ mm (layer 1)        after:  w_q ─┬─ t ─ mm (layer 1)
-                      └─ mm (layer 3)                     └─ t' ─ mm (layer 3)
+                      └─ mm (layer 3)                     └─ t' ─ mm (layer 3)   {mt_rank of layer 3}
 
-A node is cloned only if it reads weights alone (a weight-only value: views, casts of weights)
-and its users prefer different groups by their module (`layer_regions.preferred_group`).
+A node is cloned when it reads weights alone (views, casts of weights) and its readers run in
+different segments (the ranks `layer_regions` gave them). When anything was cloned, every
+weight-only node then moves right before its first reader, so the clone sits where the original
+sits in its own layer and identical layers keep identical bodies.
 """
 from __future__ import annotations
 
 import torch.fx as fx
 
-from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
-from .layer_regions import preferred_group
-
-
-@graph_pass("unshare_weight_views", requires=(FLAT_INDEX,), provides=())
-def unshare_weight_views(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    changed = False
-    for n in reversed(_weight_only_nodes(gm)):  # consumers first, so a cloned view's inputs split in turn
-        by_group: dict[int, list[fx.Node]] = {}
-        for user in n.users:
-            group = preferred_group(user, ctx) if user.op != "output" else None
-            if group is not None:
-                by_group.setdefault(group, []).append(user)
-        if len(by_group) < 2:
-            continue
-        for group in sorted(by_group)[1:]:  # the first group keeps the original
-            users = by_group[group]
-            with gm.graph.inserting_after(n):
-                clone = gm.graph.node_copy(n)
-            clone.meta = dict(n.meta)
-            if "nn_module_stack" in users[0].meta:
-                clone.meta["nn_module_stack"] = users[0].meta["nn_module_stack"]
-            for user in users:
-                user.replace_input_with(n, clone)
-        changed = True
-    if changed:
-        # Every weight-only node right before its first reader (consumers first, so chains stay
-        # in order): a cloned view then sits where the original sits in its own layer, and the
-        # layers' bodies stay identical.
-        _sink_weight_only(gm)
-        gm.graph.lint()
-        gm.recompile()
-    return gm
+from . import GROUP, RANK, WEIGHT_GROUP, PassContext, graph_pass
 
 
 def _weight_only_nodes(gm: fx.GraphModule) -> list[fx.Node]:
@@ -62,11 +33,31 @@ def _weight_only_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
-def _sink_weight_only(gm: fx.GraphModule) -> None:
-    order = {n: k for k, n in enumerate(gm.graph.nodes)}
-    for n in reversed(_weight_only_nodes(gm)):
-        users = [u for u in n.users if u.op != "output"]
-        if users:
-            first = min(users, key=lambda u: order[u])
-            first.prepend(n)
-            order[n] = order[first] - 0.5
+@graph_pass("unshare_weight_views", requires=(RANK,), provides=())
+def unshare_weight_views(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    changed = False
+    for n in reversed(_weight_only_nodes(gm)):  # readers first, so a cloned chain splits in turn
+        by_rank: dict[int, list[fx.Node]] = {}
+        for user in n.users:
+            if user.op != "output" and RANK in user.meta:
+                by_rank.setdefault(user.meta[RANK], []).append(user)
+        for rank, users in by_rank.items():
+            if rank == n.meta.get(RANK):
+                continue  # this segment computes the original
+            with gm.graph.inserting_after(n):
+                clone = gm.graph.node_copy(n)
+            clone.meta = {**n.meta, RANK: rank, GROUP: users[0].meta[GROUP]}
+            for user in users:
+                user.replace_input_with(n, clone)
+            changed = True
+    if changed:
+        order = {n: k for k, n in enumerate(gm.graph.nodes)}
+        for n in reversed(_weight_only_nodes(gm)):
+            readers = [u for u in n.users if u.op != "output"]
+            if readers:
+                first = min(readers, key=order.__getitem__)
+                first.prepend(n)
+                order[n] = order[first] - 0.5
+        gm.graph.lint()
+        gm.recompile()
+    return gm

@@ -113,9 +113,8 @@ FAMILIES: dict[str, Family] = {f.name or f.model_type: f for f in [
            why="Zamba2: Mamba2 layers + hybrid layers that share one transformer block (the same weights in "
                "two layers; passes/unshare_weight_views.py keeps their forward bodies identical)",
            # known gap: in the backward, the first hybrid layer also sums the shared block's gradient
-           # (and reads views of its weights computed by the later hybrid layer), and the first layer
-           # also sums the gradient of the embeddings that every hybrid layer re-reads: each lowers
-           # its own body
+           # over the layers that use it, and the first layer also sums the gradient of the
+           # embeddings that every hybrid layer re-reads: each lowers its own body
            backward_layer_kinds=4),
     # more dense
     Family("olmo3", {"sliding_window": 4, "num_hidden_layers": 4}, 2, why="sliding + full attention layers"),

@@ -2,7 +2,8 @@
 
 A model is an embedding, an `nn.ModuleList` of blocks, a final norm and a head. Blocks differ in
 width and op mix (several layer kinds), may add skip connections from earlier layers, and the
-head may be tied to the embedding or share a weight with a block. Everything is small enough that
+head may be tied to the embedding, and blocks may share modules (several layers reading the
+same weights). Everything is small enough that
 one compile + step takes a second or two.
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ class StackSpec:
     blocks: tuple[BlockSpec, ...]
     tie_head: bool
     bias: bool
+    share: bool = False  # mlp blocks of equal width reuse the first one's projections (Zamba2-like)
 
 
 class Block(nn.Module):
@@ -68,6 +70,12 @@ class RandomStack(nn.Module):
         self.head = nn.Linear(spec.hidden, VOCAB, bias=False)
         if spec.tie_head:
             self.head.weight = self.embed.weight
+        if spec.share:
+            owners: dict[int, Block] = {}
+            for block in self.layers:
+                if block.spec.kind == "mlp":
+                    owner = owners.setdefault(block.spec.inner, block)
+                    block.up, block.down = owner.up, owner.down
 
     def forward(self, input_ids, labels):
         x = self.embed(input_ids)
@@ -91,4 +99,4 @@ def stack_specs(draw, max_layers: int = 5) -> StackSpec:
         inner = draw(st.sampled_from([hidden, 2 * hidden, 3 * hidden]))
         skip = draw(st.integers(-1, i - 1)) if i > 0 and draw(st.booleans()) else -1
         blocks.append(BlockSpec(kind, inner, skip))
-    return StackSpec(hidden, tuple(blocks), draw(st.booleans()), draw(st.booleans()))
+    return StackSpec(hidden, tuple(blocks), draw(st.booleans()), draw(st.booleans()), draw(st.booleans()))

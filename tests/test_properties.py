@@ -124,6 +124,10 @@ REGRESSIONS = [
                    BlockSpec("mlp", 8, 0)), False, False), 1, 0),
     # a tied head once read `t(w_embed)` computed by the embedding segment
     (StackSpec(8, (BlockSpec("mlp", 8, -1),), True, False), 1, 0),
+    # layers sharing one module: the later layer read the earlier one's `t(w)` (and lowered its
+    # own body) until passes/unshare_weight_views.py gave each segment its own view
+    (StackSpec(8, (BlockSpec("mlp", 16, -1), BlockSpec("attn", 8, -1), BlockSpec("mlp", 16, -1),
+                   BlockSpec("mlp", 16, -1)), False, True, True), 2, 0),
 ]
 
 
