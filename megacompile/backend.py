@@ -71,6 +71,12 @@ class Program:
         self._step: dict[str, Any] = {}
         self.last_run = 0.0
 
+    def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
+        """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
+        names = {i: self.entries[i].name for i in params}
+        self.entries.update(store.register(params, names, pin=self.options.torch_device.type == "cuda"))
+        return self.entries
+
     def context(self, direction: str) -> PassContext:
         cap = self.capture
         return PassContext(

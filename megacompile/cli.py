@@ -54,6 +54,16 @@ def _plan(args) -> int:
     return 0
 
 
+def _train(args) -> int:
+    from .train.config import load_config
+    from .train.trainer import train
+    # overrides and --no-progress may come in any order after the config file
+    no_progress = args.no_progress or "--no-progress" in args.overrides
+    overrides = [o for o in args.overrides if o != "--no-progress"]
+    train(load_config(args.config, overrides), progress=not no_progress)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatrain", description="Train LLMs larger than accelerator memory.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -91,6 +101,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="layer: recompute whole layers (least memory); selective: keep matmul/attention outputs")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
+
+    t = sub.add_parser("train", help="train a model from a YAML config (LLaMA-Factory key names)",
+                       description="Fine-tune (stage: sft) or pre-train (stage: pt) a model: data from a "
+                                   "dataset_info.json registry, checkpoints in output_dir, an HF model at the end.")
+    t.add_argument("config", help="YAML config file (see examples/)")
+    t.add_argument("overrides", nargs=argparse.REMAINDER,
+                   help="key=value overrides, e.g. learning_rate=1e-4 max_steps=20")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to output_dir)")
+    t.set_defaults(func=_train)
     return p
 
 
@@ -98,8 +117,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except MegatrainError as e:
-        print(f"megatrain: error: {e}", file=sys.stderr)
+    except Exception as e:
+        inner = getattr(e, "inner_exception", None)   # Dynamo wraps backend errors
+        error = e if isinstance(e, MegatrainError) else inner if isinstance(inner, MegatrainError) else None
+        if error is None:
+            raise
+        print(f"megatrain: error: {error}", file=sys.stderr)
         return 2
 
 

@@ -90,13 +90,20 @@ class DirectionRunner:
         entries = program.entries
         env: dict[str, object] = {}
         host_args: dict[str, object] = {}
+        stale = {}
         for (name, weight), value in zip(self.placeholders, args):
             if weight is not None:
                 host_args[name] = value  # weights are read from the pool, never from here
+                if isinstance(value, torch.nn.Parameter) and entries[weight].param_ref() is not value:
+                    stale[weight] = value
             elif isinstance(value, torch.Tensor) and value.device != self.device:
                 env[name] = value.to(self.device, non_blocking=True)
             else:
                 env[name] = value
+        if stale:
+            # Dynamo reuses a compiled graph for another model of the same architecture (its guards
+            # check shapes, not identities): the store entries follow the parameters passed now.
+            entries = program.rebind(stale)
         args.clear()  # boxed call: saved activations die at their last use, not at the end
         debug = program.options.debug_residency
         live_bytes = self._live(env) + pool.counters.resident_bytes

@@ -159,3 +159,39 @@ def master_weight(p: nn.Parameter) -> torch.Tensor:
     if entry is not None and entry.master is not None and entry.param_ref() is p:
         return entry.master
     return p.detach()
+
+
+def set_master(p: nn.Parameter, value: torch.Tensor, name: str = "", pin: bool = False) -> None:
+    """Set a parameter's weights from an fp32 tensor without rounding its master (resume from a
+    checkpoint): the master takes `value` exactly and the transfer copy is refreshed from it.
+    Works before the model is compiled: the entry is created now and the backend reuses it."""
+    entry = _ENTRIES.get(id(p))
+    if entry is None or entry.param_ref() is not p:
+        entry = _new_entry(p, name, pin)
+        _ENTRIES[id(p)] = entry
+        weakref.finalize(p, _ENTRIES.pop, id(p), None)
+    with torch.no_grad():
+        if entry.master is None:
+            p.data.copy_(value)
+        else:
+            entry.master.copy_(value)
+            entry.to_transfer()
+
+
+class masters_shown:
+    """Inside, each registered low-precision parameter shows its fp32 master (as during an
+    optimizer step), e.g. to load optimizer state without torch casting it to bf16."""
+
+    def __init__(self, params):
+        self.entries = [e for p in params if (e := _ENTRIES.get(id(p))) is not None
+                        and e.param_ref() is p and e.master is not None]
+
+    def __enter__(self):
+        for e in self.entries:
+            e.to_master()
+        return self
+
+    def __exit__(self, *exc):
+        for e in self.entries:
+            e.to_transfer()
+        return False

@@ -1,0 +1,275 @@
+"""The training loop behind `megatrain train`.
+
+    config -> preflight (host RAM) -> data (registry, template, masks; one example printed)
+           -> torch.compile(model, backend="megatrain") -> AdamW on fp32 masters + LR schedule
+           -> steps: accumulate micro-batches (loss normalised by the step's trained tokens),
+              clip, skip non-finite steps, log (tqdm, JSONL, TensorBoard), checkpoint
+           -> HF model folder in output_dir (+ loss plot)
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, MegatrainError
+from ..hardware import host_memory_bytes
+from ..options import Options
+from . import checkpoint
+from .config import TrainConfig
+from .data import IGNORE, Order, build_examples, collate, show_example
+
+LOG_NAME = "train_log.jsonl"
+
+
+class PreflightError(MegatrainError):
+    """The run cannot fit this machine; the message says what to change."""
+
+
+# model ------------------------------------------------------------------------------
+def _dtype(config: TrainConfig, device: torch.device, checkpoint_dtype=None) -> torch.dtype:
+    if config.torch_dtype != "auto":
+        return getattr(torch, config.torch_dtype)
+    if device.type == "cuda":
+        return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    return torch.float32
+
+
+def load_model(config: TrainConfig, device: torch.device):
+    source = config.model_name_or_path
+    if source.startswith("embedded:"):
+        if source != "embedded:smollm2":
+            raise ConfigError(f"model_name_or_path={source!r}: the embedded model is embedded:smollm2.")
+        from ..embedded import load_smollm2
+        model, tokenizer = load_smollm2(torch_dtype=_dtype(config, device, torch.bfloat16),
+                                        num_layers=config.num_layers)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        try:
+            hf_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+        except OSError as e:
+            raise ConfigError(f"model_name_or_path={source!r}: {str(e).splitlines()[0]}") from None
+        extra = {"num_hidden_layers": config.num_layers} if config.num_layers else {}
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=_dtype(config, device, getattr(hf_config, "torch_dtype", None)),
+            trust_remote_code=config.trust_remote_code, **extra)
+    model.config.use_cache = False
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token   # padding is masked by position, never by id
+    return model.train(), tokenizer
+
+
+def preflight(model, device: torch.device) -> str:
+    """Host RAM the store needs against what the machine has (refuses a run that cannot fit)."""
+    from ..plan import _fmt, host_bytes
+    need = host_bytes(model, device.type)
+    have = host_memory_bytes()
+    params = sum(p.numel() for p in model.parameters())
+    text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {_fmt(need.total)} "
+            f"(masters {_fmt(need.masters)}, AdamW {_fmt(need.optimizer_state)}, transfer copies "
+            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}) of {_fmt(have)}; device {device}")
+    if need.total > have:
+        raise PreflightError(f"{text}: not enough host RAM. Add {_fmt(need.total - have)}, train a smaller model, "
+                             "or freeze part of it.")
+    return text
+
+
+# schedule ---------------------------------------------------------------------------
+def lr_lambda(config: TrainConfig, total: int):
+    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if config.lr_scheduler_type in ("constant", "constant_with_warmup"):
+            return 1.0
+        progress = (step - warmup) / max(1, total - warmup)
+        if config.lr_scheduler_type == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return max(0.0, 1.0 - progress)   # linear
+    return factor
+
+
+def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]   # biases, norms
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
+                             eps=config.adam_epsilon)
+
+
+# output dir -------------------------------------------------------------------------
+def prepare_output(config: TrainConfig) -> Path | None:
+    """Create output_dir; returns the checkpoint to resume from, if any."""
+    out = Path(config.output_dir)
+    existing = checkpoint.checkpoints(out)
+    if config.resume_from_checkpoint not in (None, False):
+        if config.resume_from_checkpoint is True:
+            if not existing:
+                raise ConfigError(f"resume_from_checkpoint: true, but {out} holds no complete checkpoint.")
+            return existing[-1]
+        path = Path(str(config.resume_from_checkpoint))
+        if not path.is_dir():
+            raise ConfigError(f"resume_from_checkpoint={str(path)!r} does not exist.")
+        return path
+    if existing or (out / LOG_NAME).exists():
+        if not config.overwrite_output_dir:
+            raise ConfigError(f"output_dir {out} already holds a run: set resume_from_checkpoint: true to continue "
+                              "it, or overwrite_output_dir: true to start over (its checkpoints are then deleted).")
+        for old in existing:
+            shutil.rmtree(old)
+        (out / LOG_NAME).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    return None
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+        np.random.seed(seed)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+# the loop ---------------------------------------------------------------------------
+def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: bool = True) -> dict:
+    """Run a training job; returns the final trainer state. `stop_at_step` ends the run early
+    (after that step's checkpoint, if one is due), as an interruption would."""
+    options = Options.from_mapping(config.megatrain)
+    device = options.torch_device
+    resume_from = prepare_output(config)
+    _seed(config.seed)
+    model, tokenizer = load_model(config, device)
+    print(preflight(model, device), flush=True)
+    examples, counts = build_examples(config, tokenizer)
+    print(f"[megatrain] {len(examples)} examples from {counts['samples']} samples "
+          f"({counts['dropped']} dropped: no reply left within cutoff_len={config.cutoff_len}); the first one, "
+          f"[[not trained]]:\n{show_example(tokenizer, examples[0])}", flush=True)
+
+    batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
+    order = Order(len(examples), batch, config.seed)
+    steps_per_epoch = order.batches_per_epoch // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch} x "
+                          f"gradient_accumulation_steps={accum}: lower them or add data.")
+    total = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
+
+    cmodel = torch.compile(model, backend="megatrain", options=config.megatrain)
+    optimizer = make_optimizer(model, config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
+    state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
+    if resume_from is not None:
+        saved = checkpoint.load(resume_from, model, optimizer, pin=device.type == "cuda")
+        scheduler.load_state_dict(saved["scheduler"])
+        order.load_state_dict(saved["data"])
+        state = saved["state"]
+        _truncate_log(Path(config.output_dir) / LOG_NAME, state["step"])
+        print(f"[megatrain] resumed from {resume_from} at step {state['step']}", flush=True)
+
+    out = Path(config.output_dir)
+    writer = _tensorboard(config, out)
+    params = [p for p in model.parameters() if p.requires_grad]
+    window: list[tuple[float, int, float]] = []   # (loss, trained tokens, seconds) since the last log
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
+    with open(out / LOG_NAME, "a") as log:
+        while state["step"] < total:
+            t0 = time.perf_counter()
+            micro = [collate([examples[i] for i in order.next()], tokenizer.pad_token_id) for _ in range(accum)]
+            tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
+            count = torch.tensor(max(tokens, 1))
+            loss = 0.0
+            for mb in micro:
+                # sum over tokens / the step's trained tokens: accumulation gives the mean over the step
+                out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
+                out_mb.loss.backward()
+                loss += out_mb.loss.item()
+            norm = torch.nn.utils.clip_grad_norm_(
+                params, config.max_grad_norm if config.max_grad_norm > 0 else math.inf).item()
+            if math.isfinite(loss) and math.isfinite(norm):
+                optimizer.step()
+            else:
+                state["skipped_steps"] += 1
+                bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm});"
+                          " the optimizer step is skipped, the weights are unchanged.")
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            state["step"] += 1
+            seconds = time.perf_counter() - t0
+            state["trained_tokens"] += tokens
+            state["seconds"] += seconds
+            window.append((loss, tokens, seconds))
+            lr = scheduler.get_last_lr()[0]
+            bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
+            bar.update(1)
+            if state["step"] % config.logging_steps == 0 or state["step"] == total:
+                row = {"step": state["step"], "loss": sum(w[0] for w in window) / len(window), "lr": lr,
+                       "tokens_per_s": sum(w[1] for w in window) / max(sum(w[2] for w in window), 1e-9),
+                       "grad_norm": norm, "skipped_steps": state["skipped_steps"],
+                       "epoch": state["step"] / steps_per_epoch, "trained_tokens": state["trained_tokens"]}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                if writer is not None:
+                    for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
+                        writer.add_scalar(f"train/{key}", row[key], state["step"])
+                window = []
+            if state["step"] % config.save_steps == 0 or state["step"] == total:
+                checkpoint.save(out, state["step"], model, optimizer,
+                                {"scheduler": scheduler.state_dict(), "data": order.state_dict(), "state": state,
+                                 "config": config.to_dict()}, config.save_total_limit)
+            if stop_at_step is not None and state["step"] >= stop_at_step:
+                break
+    bar.close()
+    if writer is not None:
+        writer.close()
+    if state["step"] >= total:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        _plot(out)
+        print(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
+              f"{state['skipped_steps']} skipped; the model is in {out}", flush=True)
+    return state
+
+
+def _truncate_log(path: Path, step: int) -> None:
+    """Drop the log rows an interrupted run wrote after the checkpoint it resumes from."""
+    if path.exists():
+        rows = [line for line in path.read_text().splitlines() if line.strip()]
+        path.write_text("".join(line + "\n" for line in rows if json.loads(line)["step"] <= step))
+
+
+def _tensorboard(config: TrainConfig, out: Path):
+    if config.report_to != "tensorboard":
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard), "
+                          "or use report_to: jsonl.") from None
+    return SummaryWriter(str(out / "runs"))
+
+
+def _plot(out: Path) -> None:
+    rows = [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines() if line.strip()]
+    if not rows:
+        return
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss")
+    fig.tight_layout()
+    fig.savefig(out / "training_loss.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,237 @@
+"""`megatrain train`: config checking, data formats and masks, accumulation, checkpoints, resume,
+export. Runs on a tiny Llama saved with a byte-level BPE tokenizer trained in-process (offline).
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megacompile.cli import main
+from megacompile.errors import ConfigError
+from megacompile.train import checkpoint
+from megacompile.train.config import from_mapping, load_config
+from megacompile.train.data import (CHATML, IGNORE, DataError, build_examples, encode_chat, load_registry,
+                                    show_example)
+from megacompile.train.trainer import LOG_NAME, train
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    """A tiny Llama and a ChatML byte-level BPE tokenizer, saved like a Hub checkpoint."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    path = tmp_path_factory.mktemp("tiny")
+    texts = [line for f in EXAMPLES.glob("*.json*") for line in f.read_text().splitlines()]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                  bos_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def config(tiny_dir, tmp_path, **kw):
+    base = dict(model_name_or_path=str(tiny_dir), dataset="alpaca_demo", dataset_dir=str(EXAMPLES),
+                output_dir=str(tmp_path / "out"), cutoff_len=64, per_device_train_batch_size=2,
+                learning_rate=1e-3, max_steps=4, logging_steps=1, save_steps=2, device="cpu", seed=0)
+    return from_mapping({**base, **kw})
+
+
+def log_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines()]
+
+
+# config -----------------------------------------------------------------------------
+def test_config_rejects_unknown_keys_and_wrong_types(tmp_path):
+    ok = dict(model_name_or_path="m", dataset="d", output_dir="o")
+    with pytest.raises(ConfigError, match="Did you mean 'learning_rate'"):
+        from_mapping({**ok, "learnig_rate": 1e-4})
+    with pytest.raises(ConfigError, match=r"max_steps='ten' \(str\): expected int"):
+        from_mapping({**ok, "max_steps": "ten"})
+    with pytest.raises(ConfigError, match="lr_scheduler_type='cosin'"):
+        from_mapping({**ok, "lr_scheduler_type": "cosin"})
+    with pytest.raises(ConfigError, match="Did you mean 'slots'"):
+        from_mapping({**ok, "slot": 2})
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name_or_path: m\ndataset: d\noutput_dir: o\nlearning_rate: 5e-5\n")
+    loaded = load_config(cfg, ["max_steps=3", "slots=3", "report_to=none"])
+    assert loaded.learning_rate == 5e-5 and loaded.max_steps == 3 and loaded.megatrain == {"slots": 3}
+
+
+# data -------------------------------------------------------------------------------
+def test_registry_formats_and_masks(tiny_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    reg = load_registry(EXAMPLES)
+    assert {"alpaca_demo", "sharegpt_demo", "pretrain_demo"} <= set(reg)
+    for name in ("alpaca_demo", "sharegpt_demo"):
+        cfg = from_mapping(dict(model_name_or_path="m", dataset=name, dataset_dir=str(EXAMPLES), output_dir="o",
+                                cutoff_len=256))
+        examples, counts = build_examples(cfg, tok)
+        assert len(examples) == counts["samples"] > 0
+        for ex in examples:
+            assert len(ex.input_ids) == len(ex.labels) and ex.trained_tokens > 0
+    # one conversation: only the replies (and their end markers) are trained on
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"},
+                {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Goodbye"}]
+    ex = encode_chat(tok, CHATML, messages, 256)
+    shown = show_example(tok, ex)
+    assert shown.startswith("[[<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n]]Hello there<|im_end|>\n[[")
+    assert shown.endswith("]]Goodbye<|im_end|>\n")
+    last_only = encode_chat(tok, CHATML, messages, 256, mask_history=True)
+    assert "Hello" not in tok.decode([t for t in last_only.labels if t != IGNORE])
+    everything = encode_chat(tok, CHATML, messages, 256, train_on_prompt=True)
+    assert everything.labels == everything.input_ids
+
+
+def test_every_file_format_loads_the_same_records(tiny_dir, tmp_path):
+    import datasets
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    records = json.loads((EXAMPLES / "alpaca_demo.json").read_text())
+    flat = [{k: r.get(k, "") for k in ("instruction", "input", "output")} for r in records]
+    ds = datasets.Dataset.from_list(flat)
+    (tmp_path / "jsonl").mkdir()
+    ds.to_json(tmp_path / "jsonl" / "part.jsonl")
+    ds.to_csv(tmp_path / "a.csv", index=False)
+    ds.to_parquet(tmp_path / "a.parquet")
+    (tmp_path / "a.json").write_text(json.dumps(flat))
+    info = {"json": {"file_name": "a.json"}, "folder": {"file_name": "jsonl"}, "csv": {"file_name": "a.csv"},
+            "parquet": {"file_name": "a.parquet"}}
+    (tmp_path / "dataset_info.json").write_text(json.dumps(info))
+    encoded = {}
+    for name in info:
+        cfg = from_mapping(dict(model_name_or_path="m", dataset=name, dataset_dir=str(tmp_path), output_dir="o"))
+        encoded[name] = [e.input_ids for e in build_examples(cfg, tok)[0]]
+    assert all(v == encoded["json"] for v in encoded.values()) and len(encoded["json"]) == len(records)
+
+
+def test_bad_data_says_what_is_wrong(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    (tmp_path / "broken.jsonl").write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", "outp')
+    (tmp_path / "nocol.json").write_text(json.dumps([{"question": "a", "answer": "b"}]))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({
+        "broken": {"file_name": "broken.jsonl"}, "nocol": {"file_name": "nocol.json"},
+        "hub": {"hf_hub_url": "megatrain-test/does-not-exist-anywhere"}}))
+
+    def build(name):
+        cfg = from_mapping(dict(model_name_or_path="m", dataset=name, dataset_dir=str(tmp_path), output_dir="o"))
+        return build_examples(cfg, tok)
+    with pytest.raises(DataError, match="could not read .*broken.jsonl as json"):
+        build("broken")
+    with pytest.raises(DataError, match="no 'instruction' column .*columns.prompt"):
+        build("nocol")
+    with pytest.raises(DataError, match="is not in .*dataset_info.json"):
+        build("missing")
+    with pytest.raises(DataError, match="Hugging Face Hub .*file_name instead"):
+        build("hub")
+
+
+# training ---------------------------------------------------------------------------
+def test_train_logs_checkpoints_and_exports_a_loadable_model(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+    cfg = config(tiny_dir, tmp_path, save_total_limit=1, dataset="alpaca_demo,sharegpt_demo")
+    state = train(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    rows = log_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and state["skipped_steps"] == 0
+    assert all({"loss", "lr", "tokens_per_s"} <= set(r) and math.isfinite(r["loss"]) for r in rows)
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-4"]   # save_total_limit=1
+    assert (out / "training_loss.png").stat().st_size > 0
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    masters = checkpoint.load_file(str(out / "checkpoint-4" / "model.safetensors"))
+    for name, p in reloaded.named_parameters():
+        torch.testing.assert_close(p, masters[name], rtol=0, atol=0)
+
+
+def test_accumulation_normalises_by_the_step_tokens(tiny_dir, tmp_path):
+    """(batch 4, accum 1) and (batch 1, accum 4) see the same samples per step: same loss, same weights."""
+    a = config(tiny_dir, tmp_path / "a", per_device_train_batch_size=4, gradient_accumulation_steps=1,
+               max_steps=2, save_steps=2)
+    b = config(tiny_dir, tmp_path / "b", per_device_train_batch_size=1, gradient_accumulation_steps=4,
+               max_steps=2, save_steps=2)
+    train(a, progress=False)
+    train(b, progress=False)
+    # the same sample order needs the same permutation: batch 4 x 1 reads perm[0:4] like batch 1 x 4
+    la, lb = log_rows(Path(a.output_dir)), log_rows(Path(b.output_dir))
+    for ra, rb in zip(la, lb):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)
+    ma = checkpoint.load_file(str(Path(a.output_dir) / "checkpoint-2" / "model.safetensors"))
+    mb = checkpoint.load_file(str(Path(b.output_dir) / "checkpoint-2" / "model.safetensors"))
+    for name in ma:
+        torch.testing.assert_close(ma[name], mb[name], rtol=1e-4, atol=1e-6)
+
+
+def test_resume_continues_like_the_uninterrupted_run(tiny_dir, tmp_path):
+    full = config(tiny_dir, tmp_path / "full", max_steps=6, save_steps=3)
+    train(full, progress=False)
+    part = config(tiny_dir, tmp_path / "part", max_steps=6, save_steps=3)
+    train(part, stop_at_step=4, progress=False)           # interrupted after step 4 (checkpoint at 3)
+    resumed = config(tiny_dir, tmp_path / "part", max_steps=6, save_steps=3, resume_from_checkpoint=True)
+    train(resumed, progress=False)
+    ours, theirs = log_rows(Path(resumed.output_dir)), log_rows(Path(full.output_dir))
+    assert [r["step"] for r in ours] == [1, 2, 3, 4, 5, 6]
+    for r, s in zip(ours, theirs):
+        assert r["loss"] == pytest.approx(s["loss"], rel=1e-5), (r, s)
+    a = checkpoint.load_file(str(Path(full.output_dir) / "checkpoint-6" / "model.safetensors"))
+    b = checkpoint.load_file(str(Path(resumed.output_dir) / "checkpoint-6" / "model.safetensors"))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
+
+
+def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    cfg = config(tiny_dir, tmp_path, max_steps=4, save_steps=2)
+    real = checkpoint.save_file
+    calls = {"n": 0}
+
+    def crash_on_second(tensors, path):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            Path(path).write_bytes(b"partial")   # half-written file, then the process dies
+            raise KeyboardInterrupt("killed during the save")
+        real(tensors, path)
+    monkeypatch.setattr(checkpoint, "save_file", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-2"]
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    state = train(config(tiny_dir, tmp_path, max_steps=4, save_steps=2, resume_from_checkpoint=True), progress=False)
+    assert state["step"] == 4 and [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert not list(out.glob("*.tmp"))
+
+
+def test_pretraining_on_raw_text(tiny_dir, tmp_path):
+    state = train(config(tiny_dir, tmp_path, stage="pt", dataset="pretrain_demo", cutoff_len=32, max_steps=2),
+                  progress=False)
+    assert state["step"] == 2 and state["trained_tokens"] == 2 * 2 * 31
+
+
+def test_cli_train_and_its_errors(tiny_dir, tmp_path, capsys):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_dir}\ndataset: sharegpt_demo\ndataset_dir: {EXAMPLES}\n"
+                   f"output_dir: {tmp_path / 'out'}\ncutoff_len: 64\nmax_steps: 2\nsave_steps: 2\ndevice: cpu\n")
+    assert main(["train", str(cfg), "--no-progress", "per_device_train_batch_size=2"]) == 0
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    # the same output_dir again without resume or overwrite: refused, nothing deleted
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert checkpoint.checkpoints(tmp_path / "out")
+    assert main(["train", str(cfg), "--no-progress", "learning_rat=1"]) == 2
+    assert "Did you mean 'learning_rate'" in capsys.readouterr().err
+    shutil.rmtree(tmp_path / "out")
