@@ -138,7 +138,7 @@ def test_bad_data_says_what_is_wrong(tiny_dir, tmp_path):
         build("nocol")
     with pytest.raises(DataError, match="is not in .*dataset_info.json"):
         build("missing")
-    with pytest.raises(DataError, match="Hugging Face Hub .*file_name instead"):
+    with pytest.raises(DataError, match="Hugging Face Hub.*file_name instead"):
         build("hub")
 
 

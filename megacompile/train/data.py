@@ -129,6 +129,10 @@ def load_records(attr: DatasetAttr, dataset_dir: str | Path) -> list[dict]:
                             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}). "
                             "Check that the file is complete and in that format.") from None
     else:
+        if not _hub_reachable():
+            raise DataError(f"data set {attr.name!r}: {attr.hf_hub_url!r} is on the Hugging Face Hub, which this "
+                            "machine cannot reach (offline). Download it elsewhere and register it with file_name "
+                            "instead, or set HF_HUB_OFFLINE=1 to read it from the local datasets cache.")
         try:
             ds = datasets.load_dataset(attr.hf_hub_url, attr.subset, split=attr.split)
         except Exception as e:
@@ -139,6 +143,20 @@ def load_records(attr: DatasetAttr, dataset_dir: str | Path) -> list[dict]:
     if attr.num_samples is not None:
         records = records[: attr.num_samples]
     return records
+
+
+def _hub_reachable() -> bool:
+    """False when the Hub's name does not resolve (offline): datasets would retry for ~25 s first."""
+    import os
+    import socket
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        return True   # datasets reads its cache
+    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("//")[-1].split("/")[0]
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
 
 
 # formatting -------------------------------------------------------------------------
