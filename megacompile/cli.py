@@ -44,8 +44,16 @@ def _plan(args) -> int:
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
     host_ram = parse_bytes(args.host_ram) if args.host_ram is not None else None
-    plan = plan_model(args.model, hardware=hardware, host_ram=host_ram, seq=args.seq, batch=args.batch,
-                      slots=args.slots, dtype=dtype, options={"recompute": args.recompute})
+    model, seq, slots, recompute = args.model, args.seq, args.slots, args.recompute
+    if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots
+        from .train.config import load_config
+        cfg = load_config(model)
+        model = cfg.model_name_or_path
+        seq = seq or cfg.cutoff_len
+        slots = cfg.megatrain.get("slots", slots)
+        recompute = cfg.megatrain.get("recompute", recompute)
+    plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
+                      slots=slots, dtype=dtype, options={"recompute": recompute})
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -88,12 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Say, without allocating the model, whether MODEL trains on a machine: host "
                                     "bytes by part, device bytes, the largest and the best batch size, and the "
                                     "step time simulated on the hardware profile. Exits 3 when it cannot fit.")
-    pl.add_argument("model", help="a preset name (e.g. llama-3-70b), a config.json path or a model directory")
+    pl.add_argument("model", help="a preset name (e.g. llama-3-70b) or its Hub id, a config.json path, a model "
+                                  "directory, or a `megatrain train` YAML config (its model and cutoff_len)")
     pl.add_argument("--gpu", default="h200", help="hardware profile: h200, h100, gh200, a100, cpu (measured "
                                                    "here) or a JSON profile path")
     pl.add_argument("--host-ram", help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
                                        "--gpu cpu: this machine's)")
-    pl.add_argument("--seq", type=int, default=4096, help="sequence length (tokens per sample)")
+    pl.add_argument("--seq", type=int, help="sequence length (tokens per sample; default 4096, or a train "
+                                             "config's cutoff_len)")
     pl.add_argument("--batch", type=int, help="check this batch size (default: report the largest and the best)")
     pl.add_argument("--slots", type=int, default=2, help="decoder-layer weight slots on the device")
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])

@@ -48,11 +48,79 @@ PRESETS: dict[str, dict] = {
                         num_experts_per_tok=8, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                         max_position_embeddings=163840, tie_word_embeddings=False),
+    # more dense models
+    "llama-3.1-405b": dict(model_type="llama", vocab_size=128256, hidden_size=16384, intermediate_size=53248,
+                           num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+                           max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=13824,
+                        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    "qwen2.5-72b": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, tie_word_embeddings=False),
+    "qwen3-14b": dict(model_type="qwen3", vocab_size=151936, hidden_size=5120, intermediate_size=17408,
+                      num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=40960, tie_word_embeddings=False),
+    "mistral-7b": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
+                       tie_word_embeddings=False),
+    "mistral-small-24b": dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
+                              num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                              max_position_embeddings=32768, rope_theta=100000000.0, sliding_window=None,
+                              tie_word_embeddings=False),
+    "gemma-2-27b": dict(model_type="gemma2", vocab_size=256000, hidden_size=4608, intermediate_size=36864,
+                        num_hidden_layers=46, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                        sliding_window=4096, query_pre_attn_scalar=144, max_position_embeddings=8192),
+    "gemma-3-27b": dict(model_type="gemma3_text", vocab_size=262208, hidden_size=5376, intermediate_size=21504,
+                        num_hidden_layers=62, num_attention_heads=32, num_key_value_heads=16, head_dim=128,
+                        sliding_window=1024, query_pre_attn_scalar=168, max_position_embeddings=131072),
+    "phi-4": dict(model_type="phi3", vocab_size=100352, hidden_size=5120, intermediate_size=17920,
+                  num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
+                  max_position_embeddings=16384, rope_theta=250000.0, tie_word_embeddings=False),
+    # more mixtures of experts
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          max_position_embeddings=40960, tie_word_embeddings=False),
+    "mixtral-8x22b": dict(model_type="mixtral", vocab_size=32768, hidden_size=6144, intermediate_size=16384,
+                          num_hidden_layers=56, num_attention_heads=48, num_key_value_heads=8,
+                          num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=65536,
+                          rope_theta=1000000.0, tie_word_embeddings=False),
+    "gpt-oss-20b": dict(model_type="gpt_oss", vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        max_position_embeddings=131072, tie_word_embeddings=False),
+}
+
+#: Hugging Face Hub ids of the presets (so `megatrain plan` takes a train config's model id)
+HUB_IDS = {
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3-8b", "meta-llama/Llama-3.3-70B-Instruct": "llama-3-70b",
+    "meta-llama/Llama-3.1-405B-Instruct": "llama-3.1-405b", "Qwen/Qwen2.5-7B-Instruct": "qwen2.5-7b",
+    "Qwen/Qwen2.5-14B-Instruct": "qwen2.5-14b", "Qwen/Qwen2.5-32B-Instruct": "qwen2.5-32b",
+    "Qwen/Qwen2.5-72B-Instruct": "qwen2.5-72b", "Qwen/Qwen3-8B": "qwen3-8b", "Qwen/Qwen3-14B": "qwen3-14b",
+    "Qwen/Qwen3-32B": "qwen3-32b", "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b", "Qwen/Qwen3-235B-A22B": "qwen3-235b-a22b",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct": "qwen3-next-80b-a3b", "mistralai/Mistral-7B-Instruct-v0.3": "mistral-7b",
+    "mistralai/Mistral-Small-24B-Instruct-2501": "mistral-small-24b", "google/gemma-2-27b-it": "gemma-2-27b",
+    "google/gemma-3-27b-it": "gemma-3-27b", "microsoft/phi-4": "phi-4",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b", "mistralai/Mixtral-8x22B-Instruct-v0.1": "mixtral-8x22b",
+    "openai/gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-120b": "gpt-oss-120b",
+    "deepseek-ai/DeepSeek-V3": "deepseek-v3",
 }
 
 
 def load_config(source: str) -> PretrainedConfig:
-    """A preset name, a `config.json` path, or a model directory holding one."""
+    """A preset name or Hub id of one, a `config.json` path, or a model directory holding one."""
+    source = HUB_IDS.get(source, source)
     if source in PRESETS:
         values = dict(PRESETS[source])
         return AutoConfig.for_model(values.pop("model_type"), **values)

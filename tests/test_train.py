@@ -266,3 +266,20 @@ def test_quickstart_config_trains_the_embedded_model(tmp_path):
     state = train(cfg, progress=False)
     assert state["step"] == 2 and (tmp_path / "q" / "model.safetensors").is_file()
     assert all(math.isfinite(r["loss"]) for r in log_rows(tmp_path / "q"))
+
+
+def test_example_configs_for_real_models_load_and_plan(capsys):
+    """examples/configs: at least 20 real models (7B to 405B, dense, hybrid, MoE); every config is
+    valid and its model is known to the planner; one is planned end to end from the YAML."""
+    from megacompile.presets import load_config as model_config
+    root = Path(__file__).resolve().parents[1] / "examples" / "configs"
+    configs = sorted(root.glob("*.yaml"))
+    assert len(configs) >= 20
+    types = set()
+    for path in configs:
+        cfg = load_config(path)
+        types.add(model_config(cfg.model_name_or_path).model_type)
+    assert {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3",
+            "gemma3_text"} <= types
+    assert main(["plan", str(root / "qwen2.5-7b.yaml"), "--gpu", "h200", "--host-ram", "1.5T"]) == 0
+    assert "best: batch" in capsys.readouterr().out

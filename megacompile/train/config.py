@@ -102,7 +102,11 @@ class TrainConfig:
              f"save_total_limit={self.save_total_limit}: keep at least 1 checkpoint (or leave it unset).")
         need(not self.packing, "packing=true is not supported yet: leave it false (each sample is its own "
                                "sequence, padded per batch).")
-        Options.from_mapping(self.megatrain)  # raises ConfigError on a bad compile option
+        # a bad compile option is an error now; whether the device exists is checked when training
+        # starts (a config for a GPU run may be planned on a laptop)
+        Options.from_mapping({k: v for k, v in self.megatrain.items() if k != "device"})
+        device = str(self.megatrain.get("device", "cpu"))
+        need(device == "cpu" or device.split(":")[0] == "cuda", f"device={device!r}: use cpu or cuda.")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
