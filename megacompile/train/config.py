@@ -100,8 +100,6 @@ class TrainConfig:
         need(self.max_samples is None or self.max_samples > 0, f"max_samples={self.max_samples}: must be positive.")
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit}: keep at least 1 checkpoint (or leave it unset).")
-        need(not self.packing, "packing=true is not supported yet: leave it false (each sample is its own "
-                               "sequence, padded per batch).")
         # a bad compile option is an error now; whether the device exists is checked when training
         # starts (a config for a GPU run may be planned on a laptop)
         Options.from_mapping({k: v for k, v in self.megatrain.items() if k != "device"})

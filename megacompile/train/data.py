@@ -69,6 +69,7 @@ class DatasetAttr:
 class Example:
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] | None = None   # packed examples: positions restart at each sample
 
     @property
     def trained_tokens(self) -> int:
@@ -291,7 +292,39 @@ def build_examples(config, tokenizer) -> tuple[list[Example], dict[str, int]]:
     if not examples:
         raise DataError(f"no training examples: {counts['samples']} samples, {counts['dropped']} dropped because "
                         f"cutoff_len={config.cutoff_len} left no reply tokens.")
+    if config.packing and config.stage == "sft":   # (pt text is already concatenated into blocks)
+        counts["packed_from"] = len(examples)
+        examples = pack(examples, config.cutoff_len, config.seed)
     return examples, counts
+
+
+def pack(examples: list[Example], cutoff_len: int, seed: int) -> list[Example]:
+    """Greedy first-fit packing of shuffled examples into sequences of at most `cutoff_len`.
+
+    Samples do not see each other: positions restart at every sample, which makes transformers
+    build a block-diagonal causal mask (no 2-D attention mask is passed), and the first token of
+    each sample is not a target (it would be predicted from the previous sample's last token).
+    """
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    bins: list[list[Example]] = []
+    room: list[int] = []
+    for i in order:
+        ex = examples[i]
+        k = next((b for b, r in enumerate(room) if r >= len(ex.input_ids)), None)
+        if k is None:
+            bins.append([]), room.append(cutoff_len)
+            k = len(bins) - 1
+        bins[k].append(ex)
+        room[k] -= len(ex.input_ids)
+    packed = []
+    for members in bins:
+        ids, labels, positions = [], [], []
+        for ex in members:
+            ids += ex.input_ids
+            labels += [IGNORE] + ex.labels[1:]
+            positions += list(range(len(ex.input_ids)))
+        packed.append(Example(ids, labels, positions))
+    return packed
 
 
 def show_example(tokenizer, ex: Example) -> str:
@@ -313,17 +346,24 @@ def show_example(tokenizer, ex: Example) -> str:
 
 # batching ---------------------------------------------------------------------------
 def collate(examples: list[Example], pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; padding is masked by position (pad may equal eos)."""
+    """Right-padded tensors; padding is masked by position (pad may equal eos). Packed examples
+    get `position_ids` instead of an attention mask (the padding is one more packed sample)."""
     length = max(len(e.input_ids) for e in examples)
     length = -(-length // multiple) * multiple
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
     mask = torch.zeros((len(examples), length), dtype=torch.long)
+    positions = torch.zeros((len(examples), length), dtype=torch.long)
     for row, e in enumerate(examples):
         n = len(e.input_ids)
         ids[row, :n] = torch.tensor(e.input_ids)
         labels[row, :n] = torch.tensor(e.labels)
         mask[row, :n] = 1
+        if e.position_ids is not None:
+            positions[row, :n] = torch.tensor(e.position_ids)
+            positions[row, n:] = torch.arange(length - n)
+    if examples[0].position_ids is not None:
+        return {"input_ids": ids, "position_ids": positions, "labels": labels}
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 

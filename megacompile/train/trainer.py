@@ -65,6 +65,20 @@ def load_model(config: TrainConfig, device: torch.device):
     return model.train(), tokenizer
 
 
+_RECURRENT = ("Mamba", "DeltaNet", "Recurrent", "ShortConv", "LinearAttention", "Lightning", "Lru")
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
+
+
+def check_packing(model) -> None:
+    """Packing relies on a block-diagonal attention mask; a recurrent or linear-attention layer
+    would carry its state from one packed sample into the next."""
+    recurrent = sorted({type(m).__name__ for m in model.modules() if any(s in type(m).__name__ for s in _RECURRENT)})
+    layer_types = set(getattr(model.config, "layer_types", None) or ()) - _ATTENTION_LAYERS
+    if recurrent or layer_types:
+        raise ConfigError(f"packing: true with {model.config.model_type}: its {', '.join(recurrent or layer_types)} "
+                          "layers would carry state from one packed sample into the next. Set packing: false.")
+
+
 def preflight(model, device: torch.device) -> str:
     """Host RAM the store needs against what the machine has (refuses a run that cannot fit)."""
     from ..plan import _fmt, host_bytes
@@ -149,9 +163,12 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     resume_from = prepare_output(config)
     _seed(config.seed)
     model, tokenizer = load_model(config, device)
+    if config.packing and config.stage == "sft":
+        check_packing(model)
     print(preflight(model, device), flush=True)
     examples, counts = build_examples(config, tokenizer)
-    print(f"[megatrain] {len(examples)} examples from {counts['samples']} samples "
+    packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
+    print(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples "
           f"({counts['dropped']} dropped: no reply left within cutoff_len={config.cutoff_len}); the first one, "
           f"[[not trained]]:\n{show_example(tokenizer, examples[0])}", flush=True)
 
