@@ -325,3 +325,38 @@ def test_packing_trains_and_is_refused_for_recurrent_models(tiny_dir, tmp_path):
     with pytest.raises(ConfigError, match="packing: true with qwen3_next"):
         check_packing(tiny_family_model("qwen3_next"))
     check_packing(tiny_family_model("gemma2"))   # sliding + global attention is fine
+
+
+def test_non_finite_steps_are_skipped_and_counted(tiny_dir, tmp_path, monkeypatch):
+    """A step whose gradient norm is not finite leaves the weights as they were and is logged."""
+    import megacompile.train.trainer as trainer
+    real, calls = torch.nn.utils.clip_grad_norm_, []
+
+    def inf_on_second_step(params, max_norm):
+        calls.append(1)
+        norm = real(params, max_norm)
+        return torch.tensor(float("inf")) if len(calls) == 2 else norm
+    monkeypatch.setattr(trainer.torch.nn.utils, "clip_grad_norm_", inf_on_second_step)
+    cfg = config(tiny_dir, tmp_path, max_steps=3, save_steps=1)
+    state = train(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    assert state["skipped_steps"] == 1 and [r["skipped_steps"] for r in log_rows(out)] == [0, 1, 1]
+    one = checkpoint.load_file(str(out / "checkpoint-1" / "model.safetensors"))
+    two = checkpoint.load_file(str(out / "checkpoint-2" / "model.safetensors"))
+    three = checkpoint.load_file(str(out / "checkpoint-3" / "model.safetensors"))
+    assert all(torch.equal(one[k], two[k]) for k in one) and not all(torch.equal(two[k], three[k]) for k in two)
+
+
+def test_openai_messages_format(tiny_dir, tmp_path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    rows = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                          {"role": "assistant", "content": "Hello."}]}]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"openai": {
+        "file_name": "chat.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+        "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user", "assistant_tag": "assistant"}}}))
+    cfg = from_mapping(dict(model_name_or_path="m", dataset="openai", dataset_dir=str(tmp_path), output_dir="o"))
+    (ex,), _ = build_examples(cfg, tok)
+    assert show_example(tok, ex) == ("[[<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                                     "<|im_start|>assistant\n]]Hello.<|im_end|>\n")
