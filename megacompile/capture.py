@@ -107,15 +107,21 @@ def _modules_in(value: Any, depth: int = 0):
             yield from _modules_in(v, depth + 1)
 
 
-def compiled_model_in_stack() -> nn.Module | None:
-    """The model the user passed to torch.compile: the outermost OptimizedModule on the stack."""
+def outermost_compiled_module() -> nn.Module | None:
+    """The outermost OptimizedModule (what torch.compile returned) being called on the stack."""
     frame, found = sys._getframe(1), None
     while frame is not None:
         owner = frame.f_locals.get("self")
         if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
-            found = owner._orig_mod
+            found = owner
         frame = frame.f_back
     return found
+
+
+def compiled_model_in_stack() -> nn.Module | None:
+    """The model the user passed to torch.compile."""
+    compiled = outermost_compiled_module()
+    return None if compiled is None else compiled._orig_mod
 
 
 def find_root_module(example_inputs: Sequence[Any]) -> nn.Module:

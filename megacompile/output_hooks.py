@@ -16,19 +16,9 @@ after another `torch._dynamo.reset()` the next call compiles as one graph).
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
-def _outermost_compiled_module():
-    frame, found = sys._getframe(1), None
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
-            found = owner
-        frame = frame.f_back
-    return found
-
+from .capture import outermost_compiled_module
 
 def _backend_name(compiled) -> str | None:
     """The backend name torch.compile was given (Dynamo wraps it in a few layers)."""
@@ -61,7 +51,7 @@ def install_requested_hooks(model: torch.nn.Module) -> int:
 
 
 def _on_compile_start(_args) -> None:
-    compiled = _outermost_compiled_module()
+    compiled = outermost_compiled_module()
     if compiled is not None and _backend_name(compiled) == "megatrain":
         install_requested_hooks(compiled._orig_mod)
 

@@ -19,6 +19,19 @@ GROUP = "mt_group"                 # node -> weight group whose segment computes
 RANK = "mt_rank"                   # node -> position of its segment in execution order
 
 
+def weight_only_nodes(gm: fx.GraphModule, within: set[fx.Node] | None = None) -> list[fx.Node]:
+    """Nodes computed from weights alone (views, transposes, casts of parameters), in graph order;
+    with `within`, only among those nodes."""
+    seen = {n for n in gm.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP in n.meta}
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and (within is None or n in within) and n.all_input_nodes \
+                and all(a in seen for a in n.all_input_nodes):
+            seen.add(n)
+            out.append(n)
+    return out
+
+
 @dataclass
 class PassContext:
     """What passes may read besides the graph. Passes never mutate it, except `records`."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import GROUP, WEIGHT_GROUP, PassContext, graph_pass
+from . import GROUP, PassContext, graph_pass, weight_only_nodes
 from .layer_regions import PROLOGUE
 
 
@@ -32,20 +32,10 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in gm.graph.nodes if n not in backward and n.op not in ("placeholder", "output")}
 
 
-def _weight_only(gm: fx.GraphModule, fwd: set[fx.Node]) -> set[fx.Node]:
-    """Forward nodes computed from weights alone (views, transposes, casts of parameters)."""
-    out: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        if n in fwd and n.all_input_nodes and all(
-                a in out or (a.op == "placeholder" and WEIGHT_GROUP in a.meta) for a in n.all_input_nodes):
-            out.add(n)
-    return out
-
-
 @graph_pass("recompute_boundaries", requires=(GROUP,), provides=("recompute", "ac_graph_id"))
 def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fwd = forward_nodes(gm)
-    weight_only = _weight_only(gm, fwd)
+    weight_only = set(weight_only_nodes(gm, fwd))
     for n in fwd:
         if n in weight_only:
             # t(w), w.view(...), w.to(dtype): never saved, so no derived copy of a weight stays

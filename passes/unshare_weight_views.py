@@ -19,24 +19,13 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from . import GROUP, RANK, WEIGHT_GROUP, PassContext, graph_pass
-
-
-def _weight_only_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    """Call nodes that read weights and nothing else, in graph order."""
-    seen = {n for n in gm.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP in n.meta}
-    out = []
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and n.all_input_nodes and all(a in seen for a in n.all_input_nodes):
-            seen.add(n)
-            out.append(n)
-    return out
+from . import GROUP, RANK, PassContext, graph_pass, weight_only_nodes
 
 
 @graph_pass("unshare_weight_views", requires=(RANK,), provides=())
 def unshare_weight_views(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     changed = False
-    for n in reversed(_weight_only_nodes(gm)):  # readers first, so a cloned chain splits in turn
+    for n in reversed(weight_only_nodes(gm)):  # readers first, so a cloned chain splits in turn
         by_rank: dict[int, list[fx.Node]] = {}
         for user in n.users:
             if user.op != "output" and RANK in user.meta:
@@ -52,7 +41,7 @@ def unshare_weight_views(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
             changed = True
     if changed:
         order = {n: k for k, n in enumerate(gm.graph.nodes)}
-        for n in reversed(_weight_only_nodes(gm)):
+        for n in reversed(weight_only_nodes(gm)):
             readers = [u for u in n.users if u.op != "output"]
             if readers:
                 first = min(readers, key=order.__getitem__)

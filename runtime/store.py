@@ -102,11 +102,16 @@ _ENTRIES: dict[int, WeightEntry] = {}
 _HOOKS_INSTALLED = False
 
 
+def _master_entry(p: nn.Parameter) -> WeightEntry | None:
+    """The entry of `p` if it has an fp32 master (a registered low-precision parameter)."""
+    entry = _ENTRIES.get(id(p))
+    return entry if entry is not None and entry.param_ref() is p and entry.master is not None else None
+
+
 def _live_entries(optimizer: torch.optim.Optimizer):
     for group in optimizer.param_groups:
         for p in group["params"]:
-            entry = _ENTRIES.get(id(p))
-            if entry is not None and entry.param_ref() is p and entry.master is not None:
+            if (entry := _master_entry(p)) is not None:
                 yield entry
 
 
@@ -130,15 +135,17 @@ def _install_hooks() -> None:
 
 def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool) -> dict[int, WeightEntry]:
     """Entries for the given parameters (flat index -> entry), created once per parameter."""
-    out = {}
-    for index, p in params.items():
-        entry = _ENTRIES.get(id(p))
-        if entry is None or entry.param_ref() is not p:
-            entry = _new_entry(p, names[index], pin)
-            _ENTRIES[id(p)] = entry
-            weakref.finalize(p, _ENTRIES.pop, id(p), None)
-        out[index] = entry
-    return out
+    return {index: _entry_for(p, names[index], pin) for index, p in params.items()}
+
+
+def _entry_for(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
+    """The entry of `p`, created on first use (and dropped with the parameter)."""
+    entry = _ENTRIES.get(id(p))
+    if entry is None or entry.param_ref() is not p:
+        entry = _new_entry(p, name, pin)
+        _ENTRIES[id(p)] = entry
+        weakref.finalize(p, _ENTRIES.pop, id(p), None)
+    return entry
 
 
 def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
@@ -155,21 +162,15 @@ def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
 
 def master_weight(p: nn.Parameter) -> torch.Tensor:
     """The fp32 master of a parameter (the parameter itself when it is fp32)."""
-    entry = _ENTRIES.get(id(p))
-    if entry is not None and entry.master is not None and entry.param_ref() is p:
-        return entry.master
-    return p.detach()
+    entry = _master_entry(p)
+    return entry.master if entry is not None else p.detach()
 
 
 def set_master(p: nn.Parameter, value: torch.Tensor, name: str = "", pin: bool = False) -> None:
     """Set a parameter's weights from an fp32 tensor without rounding its master (resume from a
     checkpoint): the master takes `value` exactly and the transfer copy is refreshed from it.
     Works before the model is compiled: the entry is created now and the backend reuses it."""
-    entry = _ENTRIES.get(id(p))
-    if entry is None or entry.param_ref() is not p:
-        entry = _new_entry(p, name, pin)
-        _ENTRIES[id(p)] = entry
-        weakref.finalize(p, _ENTRIES.pop, id(p), None)
+    entry = _entry_for(p, name, pin)
     with torch.no_grad():
         if entry.master is None:
             p.data.copy_(value)
@@ -183,8 +184,7 @@ class masters_shown:
     optimizer step), e.g. to load optimizer state without torch casting it to bf16."""
 
     def __init__(self, params):
-        self.entries = [e for p in params if (e := _ENTRIES.get(id(p))) is not None
-                        and e.param_ref() is p and e.master is not None]
+        self.entries = [e for p in params if (e := _master_entry(p)) is not None]
 
     def __enter__(self):
         for e in self.entries:
