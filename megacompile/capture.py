@@ -253,6 +253,16 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
         _, _, place = _break_site(model)
     else:
         why, site, place = _break_site(model)
+    # A VLM always needs megacompile.vlm, whatever broke: checked first, since the site comes from
+    # Dynamo's failure records, which may still hold an earlier model's failure.
+    from .vlm import is_vlm
+    if is_vlm(model):
+        raise GraphBreakError(
+            f"{type(model).__name__} is a vision-language model: its vision tower and multimodal positions cannot "
+            f"be captured in one graph (graph break {place}{' at ' + site if site else ''}: {why}). Compile it with "
+            "megacompile.vlm.compile(model, vision='frozen' or 'train', options=...): the language stack is "
+            "compiled by megatrain and the vision tower runs eagerly on the device (after a failed compile call "
+            "torch._dynamo.reset()).")
     if "torch/utils/hooks.py" in (site or ""):
         from .output_hooks import install_requested_hooks
         if install_requested_hooks(model):
@@ -270,14 +280,6 @@ def raise_graph_break(model: nn.Module, reason=None) -> None:
             "config asks for them: set e.g. model.config.output_router_logits = True instead of passing the flag "
             "in the call, or run the model once eagerly before compiling it (e.g. one forward under "
             "torch.no_grad()); after a failed compile also call torch._dynamo.reset().")
-    from .vlm import is_vlm
-    if is_vlm(model):
-        raise GraphBreakError(
-            f"{type(model).__name__} is a vision-language model: its vision tower and multimodal positions cannot "
-            f"be captured in one graph (graph break {place}{' at ' + site if site else ''}: {why}). Compile it with "
-            "megacompile.vlm.compile(model, vision='frozen' or 'train', options=...): the language stack is "
-            "compiled by megatrain and the vision tower runs eagerly on the device (after a failed compile call "
-            "torch._dynamo.reset()).")
     raise GraphBreakError(
         f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
         f"{' at ' + site if site else ''} ({why}). megatrain needs the whole forward in one graph to schedule "
