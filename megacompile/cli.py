@@ -44,7 +44,7 @@ def _plan(args) -> int:
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
     host_ram = parse_bytes(args.host_ram) if args.host_ram is not None else None
-    model, seq, slots, recompute = args.model, args.seq, args.slots, args.recompute
+    model, seq, slots, recompute, vision = args.model, args.seq, args.slots, args.recompute, args.vision
     if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots
         from .train.config import load_config
         cfg = load_config(model)
@@ -52,8 +52,9 @@ def _plan(args) -> int:
         seq = seq or cfg.cutoff_len
         slots = cfg.megatrain.get("slots", slots)
         recompute = cfg.megatrain.get("recompute", recompute)
+        vision = cfg.vision
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
-                      slots=slots, dtype=dtype, options={"recompute": recompute})
+                      slots=slots, dtype=dtype, options={"recompute": recompute}, vision=vision)
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -109,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     pl.add_argument("--recompute", default="layer", choices=["layer", "selective"],
                     help="layer: recompute whole layers (least memory); selective: keep matmul/attention outputs")
+    pl.add_argument("--vision", default="frozen", choices=["frozen", "train"],
+                    help="a vision-language model's vision tower: frozen (default) or trained (on the device)")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
 

@@ -86,18 +86,21 @@ def label_runs(steps: list[TimedStep], direction: str, segs: list[dict]) -> list
 
 
 def build_model_from_config(config, layers: int | None, dtype: torch.dtype):
-    """A model on the meta device (no weights allocated), keeping the first `layers` layers."""
+    """A model on the meta device (no weights allocated), keeping the first `layers` layers.
+    A vision-language config builds the whole VLM (its layers count is the language stack's)."""
     import copy
 
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     config = copy.deepcopy(config)
+    text = config.get_text_config(decoder=True)
     if layers is not None:
-        config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:layers]
-    config.use_cache = False
+        text.num_hidden_layers = layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = text.layer_types[:layers]
+    config.use_cache = text.use_cache = False
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):  # fused attention, as the real kernels (see meta_attention.py)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=meta_attention.register())
+        model = auto.from_config(config, dtype=dtype, attn_implementation=meta_attention.register())
     return model.train()
 
 
@@ -105,6 +108,17 @@ def build_meta_model(source: str, layers: int | None, dtype: torch.dtype):
     config = load_config(source)
     model = build_model_from_config(config, layers, dtype)
     return model, model.config
+
+
+def text_positions(model, batch: int, seq: int) -> dict[str, torch.Tensor]:
+    """Meta position ids for a VLM with 3-D rotary positions (Qwen-VL), which megatrain's VLM
+    recipe computes eagerly (megacompile/vlm.py): the planner captures text tokens only."""
+    base = getattr(model, "model", None)
+    if not hasattr(base, "compute_3d_position_ids"):
+        return {}
+    text = model.config.get_text_config(decoder=True)
+    sections = (getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}).get("mrope_section")
+    return {"position_ids": torch.zeros(len(sections or (0, 0, 0)), batch, seq, dtype=torch.long, device="meta")}
 
 
 def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware | None = None,
@@ -118,7 +132,7 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=capture)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    compiled(input_ids=ids, labels=ids, use_cache=False)
+    compiled(input_ids=ids, labels=ids, use_cache=False, **text_positions(model, batch, seq))
     return programs_of(model)[-1]
 
 
@@ -152,7 +166,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
     directions["backward"].steps.append(TimedStep("optimizer", "host", -1, "all", trainable, t, opt_end))
     return {
         "version": 2,
-        "model": {"source": source, "model_type": config.model_type, "layers": config.num_hidden_layers,
+        "model": {"source": source, "model_type": config.model_type, "layers": config.get_text_config(decoder=True).num_hidden_layers,
                   "parameters": params, "dtype": str(dtype).replace("torch.", ""),
                   "distinct_layer_bodies": program.stats_now()["distinct_layer_bodies"]},
         "hardware": hardware.to_dict(),

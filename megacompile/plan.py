@@ -35,6 +35,7 @@ from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
 from .simulate import SegmentCost, makespan, simulate
+from .vlm import store_parameters
 
 GiB = 2**30
 #: host bytes the process needs besides the store (torch, CUDA context, model code, tokenizer)
@@ -70,9 +71,19 @@ class HostBytes:
         return self.masters + self.optimizer_state + self.transfer_copy + self.grads + self.process_overhead
 
 
+def vision_device_bytes(model: torch.nn.Module, vision: str) -> int:
+    """Device bytes of a VLM's vision side: its weights, and with `vision="train"` also its
+    gradients and AdamW moments (updated on the device, in the weights' dtype)."""
+    from .vlm import is_vlm, vision_modules
+    if not is_vlm(model):
+        return 0
+    weights = sum(p.numel() * p.element_size() for m in vision_modules(model).values() for p in m.parameters())
+    return weights * (4 if vision == "train" else 1)
+
+
 def host_bytes(model: torch.nn.Module, device_type: str) -> HostBytes:
     masters = opt = transfer = grads = 0
-    for p in model.parameters():
+    for p in store_parameters(model):
         n = p.numel()
         low = p.dtype in (torch.bfloat16, torch.float16)
         transfer += n * p.element_size() if low else 0
@@ -182,6 +193,8 @@ class Plan:
     best: BatchEstimate | None         # highest tokens/s among those that fit
     requested_batch: int | None = None
     problems: list[str] = field(default_factory=list)
+    vision: str | None = None          # a VLM: how its vision side is trained (frozen / train)
+    vision_bytes: int = 0              # device bytes of the VLM's vision side (outside the store)
 
     @property
     def fits(self) -> bool:
@@ -195,6 +208,7 @@ class Plan:
              "lookahead": self.lookahead, "host": {**asdict(self.host), "total": self.host.total},
              "host_ram": self.host_ram, "device_capacity": self.device_capacity,
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
+             "vision": self.vision, "vision_bytes": self.vision_bytes,
              "fits": self.fits, "problems": self.problems,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
@@ -254,16 +268,25 @@ class _Model:
         return int(self._lerp(peak_a, peak_b, batch) + self.extra_saved(batch))
 
 
-def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, seq: int = 4096,
+def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: int = 4096,
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
-               max_batch: int = 4096, options: dict | None = None) -> Plan:
-    """Plan training `source` (preset, config.json or model directory) on `hardware`."""
+               max_batch: int = 4096, options: dict | None = None, vision: str = "frozen") -> Plan:
+    """Plan training `source` (preset, config.json, model directory or a transformers config) on
+    `hardware`. For a VLM,
+    `vision` says whether its vision tower is frozen or trained (megacompile/vlm.py)."""
     from .inspect import build_meta_model
+    from .vlm import VISION_MODES, is_vlm
+    if vision not in VISION_MODES:
+        raise CannotPlanError(f"vision={vision!r}: use one of {', '.join(VISION_MODES)}.")
     model, config = build_meta_model(source, None, dtype)
     device_type = "cpu" if hardware.name == "cpu" else "cuda"
     host = host_bytes(model, device_type)
+    vlm = is_vlm(model)
+    vision_bytes = vision_device_bytes(model, vision)
     params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = sum(p.numel() for p in store_parameters(model) if p.requires_grad)
+    if vision == "train":
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     _, kinds = layer_kinds(model, config)
     del model
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
@@ -279,6 +302,7 @@ def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, 
         capacity = max(0, host_ram - host.total)
     else:
         capacity = int(hardware.device_memory_gib * GiB * (1 - DEVICE_RESERVE_FRACTION)) - DEVICE_RESERVE_BYTES
+    capacity = max(0, capacity - vision_bytes)   # a VLM's vision side stays on the device
 
     lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
@@ -322,12 +346,14 @@ def plan_model(source: str, *, hardware: Hardware, host_ram: int | None = None, 
     fitting = [b for b in batches if b.device_peak_bytes <= capacity]
     best = max(fitting, key=lambda b: b.batch / b.step_seconds) if fitting else None
 
-    plan = Plan(model={"source": source, "model_type": config.model_type, "layers": len(kinds),
+    name = source if isinstance(source, str) else getattr(source, "_name_or_path", "") or "model"
+    plan = Plan(model={"source": name, "model_type": config.model_type, "layers": len(kinds),
                        "layer_kinds": len(set(kinds)), "parameters": params, "trainable": trainable,
                        "dtype": str(dtype).replace("torch.", ""), "captured_layers": prefix_len},
                 hardware=hardware.to_dict(), seq=seq, slots=slots, lookahead=lookahead, host=host,
                 host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
-                batches=batches, max_batch=fit, best=best, requested_batch=batch)
+                batches=batches, max_batch=fit, best=best, requested_batch=batch,
+                vision=vision if vlm else None, vision_bytes=vision_bytes)
     _check(plan, m, p1, slope)
     return plan
 
@@ -375,6 +401,8 @@ def to_text(plan: Plan) -> str:
              f"  of which pinned         {_fmt(h.pinned):>12}",
              "",
              f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
+             *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device (taken out of the usable figure); "
+                "its activations (which grow with the images per batch) are not counted"] if plan.vision else []),
              f"  {'batch':>6} {'peak':>12} {'forward':>10} {'backward':>10} {'optimizer':>10} {'step':>10} "
              f"{'tokens/s':>10}"]
     for b in plan.batches:

@@ -12,6 +12,21 @@ from transformers import AutoConfig, PretrainedConfig
 
 from .errors import ConfigError
 
+_QWEN_VL_TEXT_7B = dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                        rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]},
+                        tie_word_embeddings=False)
+_QWEN_VL_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                       vision_end_token_id=151653)
+
+
+def _qwen_vl_vision(out_hidden_size: int) -> dict:
+    """Qwen2.5-VL's 0.67B window-attention vision tower (the same in every size but its output)."""
+    return dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=out_hidden_size,
+                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu", in_chans=3, tokens_per_second=2)
+
+
 PRESETS: dict[str, dict] = {
     "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -87,6 +102,21 @@ PRESETS: dict[str, dict] = {
     "phi-4": dict(model_type="phi3", vocab_size=100352, hidden_size=5120, intermediate_size=17920,
                   num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=10,
                   max_position_embeddings=16384, rope_theta=250000.0, tie_word_embeddings=False),
+    # vision-language models (the language stack is trained by megatrain, the vision tower runs
+    # eagerly on the device: see megacompile/vlm.py)
+    "qwen2.5-vl-7b": dict(model_type="qwen2_5_vl", text_config=_QWEN_VL_TEXT_7B, vision_config=_qwen_vl_vision(3584),
+                          **_QWEN_VL_TOKENS, tie_word_embeddings=False),
+    "qwen2.5-vl-72b": dict(model_type="qwen2_5_vl", text_config=dict(
+        _QWEN_VL_TEXT_7B, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8), vision_config=_qwen_vl_vision(8192), **_QWEN_VL_TOKENS, tie_word_embeddings=False),
+    "llava-1.5-7b": dict(model_type="llava", text_config=dict(
+        model_type="llama", vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=4096, tie_word_embeddings=False),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=1024, intermediate_size=4096,
+                           num_hidden_layers=24, num_attention_heads=16, image_size=336, patch_size=14,
+                           projection_dim=768),
+        image_token_id=32000, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        projector_hidden_act="gelu", tie_word_embeddings=False),
     # more mixtures of experts
     "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
                           num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -114,12 +144,17 @@ HUB_IDS = {
     "google/gemma-3-27b-it": "gemma-3-27b", "microsoft/phi-4": "phi-4",
     "mistralai/Mixtral-8x7B-Instruct-v0.1": "mixtral-8x7b", "mistralai/Mixtral-8x22B-Instruct-v0.1": "mixtral-8x22b",
     "openai/gpt-oss-20b": "gpt-oss-20b", "openai/gpt-oss-120b": "gpt-oss-120b",
-    "deepseek-ai/DeepSeek-V3": "deepseek-v3",
+    "deepseek-ai/DeepSeek-V3": "deepseek-v3", "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b",
+    "Qwen/Qwen2.5-VL-72B-Instruct": "qwen2.5-vl-72b", "llava-hf/llava-1.5-7b-hf": "llava-1.5-7b",
 }
 
 
-def load_config(source: str) -> PretrainedConfig:
-    """A preset name or Hub id of one, a `config.json` path, or a model directory holding one."""
+def load_config(source: str | PretrainedConfig) -> PretrainedConfig:
+    """A preset name or Hub id of one, a `config.json` path, a model directory holding one, or a
+    config object (a copy of it)."""
+    if isinstance(source, PretrainedConfig):
+        import copy
+        return copy.deepcopy(source)
     source = HUB_IDS.get(source, source)
     if source in PRESETS:
         values = dict(PRESETS[source])

@@ -53,6 +53,15 @@ def vision_modules(model: nn.Module) -> dict[str, nn.Module]:
             if mod is not text and any(True for _ in mod.parameters())}
 
 
+def store_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters megatrain keeps in its host store: all of them, except a VLM's vision side,
+    which lives on the device."""
+    if not is_vlm(model):
+        return list(model.parameters())
+    vision = {id(p) for m in vision_modules(model).values() for p in m.parameters()}
+    return [p for p in model.parameters() if id(p) not in vision]
+
+
 class VisionLanguageModel(nn.Module):
     """`model` with its language stack compiled by megatrain and its vision side run eagerly."""
 

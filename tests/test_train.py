@@ -269,8 +269,8 @@ def test_quickstart_config_trains_the_embedded_model(tmp_path):
 
 
 def test_example_configs_for_real_models_load_and_plan(capsys):
-    """examples/configs: at least 20 real models (7B to 405B, dense, hybrid, MoE); every config is
-    valid and its model is known to the planner; one is planned end to end from the YAML."""
+    """examples/configs: at least 20 real models (7B to 405B, dense, hybrid, MoE, VLM); every config
+    is valid and its model is known to the planner; a dense one and a VLM are planned end to end."""
     from megacompile.presets import load_config as model_config
     root = Path(__file__).resolve().parents[1] / "examples" / "configs"
     configs = sorted(root.glob("*.yaml"))
@@ -280,9 +280,12 @@ def test_example_configs_for_real_models_load_and_plan(capsys):
         cfg = load_config(path)
         types.add(model_config(cfg.model_name_or_path).model_type)
     assert {"llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "mixtral", "gpt_oss", "deepseek_v3",
-            "gemma3_text"} <= types
+            "gemma3_text", "qwen2_5_vl", "llava"} <= types
     assert main(["plan", str(root / "qwen2.5-7b.yaml"), "--gpu", "h200", "--host-ram", "1.5T"]) == 0
     assert "best: batch" in capsys.readouterr().out
+    assert main(["plan", str(root / "llava-1.5-7b.yaml"), "--gpu", "h200", "--host-ram", "1.5T"]) == 0
+    out = capsys.readouterr().out
+    assert "vision tower (train) 2.42 GiB on the device" in out and "best: batch" in out
 
 
 def test_packing_has_no_cross_sample_leak(tiny_dir):
@@ -360,3 +363,31 @@ def test_openai_messages_format(tiny_dir, tmp_path):
     (ex,), _ = build_examples(cfg, tok)
     assert show_example(tok, ex) == ("[[<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                                      "<|im_start|>assistant\n]]Hello.<|im_end|>\n")
+
+
+def test_a_step_that_cannot_fit_the_device_is_refused_before_training(tiny_dir, tmp_path, capsys):
+    """The plan printed at start: device peak against the usable memory of the hardware profile
+    (here one whose device is all reserve); a run that cannot fit stops before any step."""
+    profile = tmp_path / "small_gpu.json"
+    profile.write_text(json.dumps({"name": "small", "compute_tflops": 10, "h2d_gbps": 10, "d2h_gbps": 10,
+                                   "device_memory_gib": 1.0, "host_memory_gbps": 10}))
+    out = tmp_path / "out"
+    cfg = config(tiny_dir, tmp_path, hardware=str(profile))
+    from megacompile.train.trainer import PreflightError
+    with pytest.raises(PreflightError, match="does not fit.*lower per_device_train_batch_size"):
+        train(cfg, progress=False)
+    assert not checkpoint.checkpoints(out) and not (out / LOG_NAME).exists()
+    train(config(tiny_dir, tmp_path, max_steps=1), progress=False)
+    assert "[megatrain] plan: device peak" in capsys.readouterr().out
+
+
+def test_report_to_tensorboard_writes_scalars(tiny_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    train(config(tiny_dir, tmp_path, report_to="tensorboard", max_steps=2), progress=False)
+    runs = tmp_path / "out" / "runs"
+    events = EventAccumulator(str(runs))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/tokens_per_s", "train/grad_norm"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
+    logged = [r["loss"] for r in log_rows(tmp_path / "out")]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)

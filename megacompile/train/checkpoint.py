@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import MegatrainError
 from ..runtime.store import master_weight, masters_shown, set_master
+from ..vlm import store_parameters
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -97,10 +98,15 @@ def load(path: str | Path, model: torch.nn.Module, optimizer, pin: bool = False)
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match this model (missing {sorted(missing)[:3]}, unexpected "
                               f"{sorted(unexpected)[:3]}): resume with the same model_name_or_path and num_layers.")
+    in_store = {id(p) for p in store_parameters(model)}
     for name, p in params.items():
         if masters[name].shape != p.shape:
             raise CheckpointError(f"{path}: {name} has shape {tuple(masters[name].shape)}, the model {tuple(p.shape)}.")
-        set_master(p, masters[name], name, pin)
+        if id(p) in in_store:
+            set_master(p, masters[name], name, pin)
+        else:   # a VLM's vision side: on the device, trained in its own dtype
+            with torch.no_grad():
+                p.data.copy_(masters[name])
     with masters_shown(params.values()):
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     rng = torch.load(path / "rng.pt", weights_only=False)

@@ -35,10 +35,14 @@ class TrainConfig:
     trust_remote_code: bool = False
     torch_dtype: str = "auto"               # auto: the checkpoint's dtype on CUDA, float32 on the CPU
     num_layers: int | None = None           # keep only the first N decoder layers (smoke runs)
+    vision: str = "frozen"                  # a vision-language model's vision tower: frozen or train
     # data
     stage: str = "sft"                      # sft: chat/instruction data; pt: raw text, concatenated and chunked
     dataset: str = ""                       # comma-separated names from dataset_dir/dataset_info.json
     dataset_dir: str = "data"
+    media_dir: str | None = None            # where the images column's paths start (default: dataset_dir)
+    image_max_pixels: int = 768 * 768       # larger images are scaled down to this many pixels
+    image_min_pixels: int = 32 * 32         # smaller ones scaled up
     template: str | None = None             # None: the tokenizer's chat_template; or a built-in name
     cutoff_len: int = 1024
     max_samples: int | None = None
@@ -89,6 +93,7 @@ class TrainConfig:
         need(self.torch_dtype in DTYPES, f"torch_dtype={self.torch_dtype!r}: use one of {', '.join(DTYPES)}.")
         need(self.lr_scheduler_type in SCHEDULERS,
              f"lr_scheduler_type={self.lr_scheduler_type!r}: use one of {', '.join(SCHEDULERS)}.")
+        need(self.vision in ("frozen", "train"), f"vision={self.vision!r}: use frozen or train.")
         need(self.report_to in REPORTS, f"report_to={self.report_to!r}: use one of {', '.join(REPORTS)}.")
         need(self.cutoff_len >= 2, f"cutoff_len={self.cutoff_len}: needs at least 2 tokens.")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):

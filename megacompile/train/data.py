@@ -34,8 +34,8 @@ IGNORE = -100
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 ATTR_KEYS = {"file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "num_samples", "subset"}
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-                  "history": "history"}
-SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system"}
+                  "history": "history", "images": "images"}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "images": "images"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "system_tag": "system"}
 PT_COLUMNS = {"prompt": "text"}
@@ -70,6 +70,7 @@ class Example:
     input_ids: list[int]
     labels: list[int]
     position_ids: list[int] | None = None   # packed examples: positions restart at each sample
+    images: list[str] | None = None         # image files of a VLM example (see images.py)
 
     @property
     def trained_tokens(self) -> int:
@@ -258,8 +259,9 @@ def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> list[Exampl
     return [Example(b, list(b)) for b in blocks]
 
 
-def build_examples(config, tokenizer) -> tuple[list[Example], dict[str, int]]:
-    """Every example of the configured data sets, and counts (samples, dropped) for the log."""
+def build_examples(config, tokenizer, images=None) -> tuple[list[Example], dict[str, int]]:
+    """Every example of the configured data sets, and counts (samples, dropped) for the log.
+    `images` (images.ImageInputs) handles the records' images for a vision-language model."""
     registry = load_registry(config.dataset_dir)
     examples: list[Example] = []
     counts = {"samples": 0, "dropped": 0}
@@ -279,20 +281,40 @@ def build_examples(config, tokenizer) -> tuple[list[Example], dict[str, int]]:
                 raise DataError(f"data set {name!r} (pt): records have no {column!r} column; set columns.prompt.")
             examples += encode_pretrain(tokenizer, [_text(r[column]) for r in records], config.cutoff_len)
             continue
+        image_column = {**(ALPACA_COLUMNS if attr.formatting == "alpaca" else SHAREGPT_COLUMNS),
+                        **attr.columns}["images"]
         for record in records:
             messages = (alpaca_messages(record, attr.columns, name) if attr.formatting == "alpaca"
                         else sharegpt_messages(record, attr.columns, attr.tags, name))
             check_conversation(messages, name)
+            paths = record.get(image_column) or None
+            if paths and images is None:
+                raise DataError(f"data set {name!r} has images (column {image_column!r}) but "
+                                f"{config.model_name_or_path} is a text-only model: train a vision-language model "
+                                "or drop the column.")
+            if paths:
+                messages, image_tokens = images.expand(messages, list(paths), name)
             ex = encode_chat(tokenizer, template, messages, config.cutoff_len, config.train_on_prompt,
                              config.mask_history)
+            if paths:
+                ex.images = list(paths)
+                ex.labels = [IGNORE if t == images.image_token_id else y for t, y in zip(ex.input_ids, ex.labels)]
+                if images.count(ex.input_ids) != image_tokens:   # cutoff_len cut into an image
+                    counts["dropped_images"] = counts.get("dropped_images", 0) + 1
+                    continue
             if ex.trained_tokens == 0:   # the reply was cut off entirely by cutoff_len
                 counts["dropped"] += 1
             else:
                 examples.append(ex)
     if not examples:
         raise DataError(f"no training examples: {counts['samples']} samples, {counts['dropped']} dropped because "
-                        f"cutoff_len={config.cutoff_len} left no reply tokens.")
+                        f"cutoff_len={config.cutoff_len} left no reply tokens"
+                        + (f", {counts['dropped_images']} because it cut into an image" if "dropped_images" in counts
+                           else "") + ".")
     if config.packing and config.stage == "sft":   # (pt text is already concatenated into blocks)
+        if any(ex.images for ex in examples):
+            raise DataError("packing: true with image data: packed samples would share image positions. "
+                            "Set packing: false.")
         counts["packed_from"] = len(examples)
         examples = pack(examples, config.cutoff_len, config.seed)
     return examples, counts
@@ -345,9 +367,10 @@ def show_example(tokenizer, ex: Example) -> str:
 
 
 # batching ---------------------------------------------------------------------------
-def collate(examples: list[Example], pad_id: int, multiple: int = 8) -> dict[str, torch.Tensor]:
+def collate(examples: list[Example], pad_id: int, multiple: int = 8, images=None) -> dict[str, torch.Tensor]:
     """Right-padded tensors; padding is masked by position (pad may equal eos). Packed examples
-    get `position_ids` instead of an attention mask (the padding is one more packed sample)."""
+    get `position_ids` instead of an attention mask (the padding is one more packed sample).
+    With `images` (images.ImageInputs), a VLM batch also gets its processed images."""
     length = max(len(e.input_ids) for e in examples)
     length = -(-length // multiple) * multiple
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
@@ -364,7 +387,10 @@ def collate(examples: list[Example], pad_id: int, multiple: int = 8) -> dict[str
             positions[row, n:] = torch.arange(length - n)
     if examples[0].position_ids is not None:
         return {"input_ids": ids, "position_ids": positions, "labels": labels}
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    if images is not None:
+        batch.update(images.batch([p for e in examples for p in e.images or ()], ids))
+    return batch
 
 
 class Order:

@@ -19,10 +19,13 @@ import torch
 
 from ..errors import ConfigError, MegatrainError
 from ..hardware import host_memory_bytes
+from .. import vlm
 from ..options import Options
+from ..vlm import is_vlm
 from . import checkpoint
 from .config import TrainConfig
 from .data import IGNORE, Order, build_examples, collate, show_example
+from .images import image_inputs
 
 LOG_NAME = "train_log.jsonl"
 
@@ -41,7 +44,9 @@ def _dtype(config: TrainConfig, device: torch.device, checkpoint_dtype=None) -> 
 
 
 def load_model(config: TrainConfig, device: torch.device):
+    """(model, tokenizer, processor); the processor (images) only for a vision-language model."""
     source = config.model_name_or_path
+    processor = None
     if source.startswith("embedded:"):
         if source != "embedded:smollm2":
             raise ConfigError(f"model_name_or_path={source!r}: the embedded model is embedded:smollm2.")
@@ -49,20 +54,31 @@ def load_model(config: TrainConfig, device: torch.device):
         model, tokenizer = load_smollm2(torch_dtype=_dtype(config, device, torch.bfloat16),
                                         num_layers=config.num_layers)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
+                                  AutoTokenizer)
+        remote = config.trust_remote_code
         try:
-            hf_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code)
-            tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code)
+            hf_config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
+            vision = getattr(hf_config, "vision_config", None) is not None
+            if vision:   # a VLM: its processor carries the tokenizer and the image processor
+                processor = AutoProcessor.from_pretrained(source, trust_remote_code=remote)
+                tokenizer = processor.tokenizer
+            else:
+                tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=remote)
         except OSError as e:
             raise ConfigError(f"model_name_or_path={source!r}: {str(e).splitlines()[0]}") from None
-        extra = {"num_hidden_layers": config.num_layers} if config.num_layers else {}
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=_dtype(config, device, getattr(hf_config, "torch_dtype", None)),
-            trust_remote_code=config.trust_remote_code, **extra)
+        if config.num_layers:
+            text = hf_config.get_text_config(decoder=True)
+            text.num_hidden_layers = config.num_layers
+            if getattr(text, "layer_types", None):
+                text.layer_types = text.layer_types[:config.num_layers]
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(source, config=hf_config, trust_remote_code=remote,
+                                     dtype=_dtype(config, device, getattr(hf_config, "dtype", None)))
     model.config.use_cache = False
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token   # padding is masked by position, never by id
-    return model.train(), tokenizer
+    return model.train(), tokenizer, processor
 
 
 _RECURRENT = ("Mamba", "DeltaNet", "Recurrent", "ShortConv", "LinearAttention", "Lightning", "Lru")
@@ -72,6 +88,10 @@ _ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
 def check_packing(model) -> None:
     """Packing relies on a block-diagonal attention mask; a recurrent or linear-attention layer
     would carry its state from one packed sample into the next."""
+    from ..vlm import is_vlm
+    if is_vlm(model):
+        raise ConfigError(f"packing: true with the vision-language model {model.config.model_type}: its "
+                          "positions are computed per sample (3-D for Qwen-VL). Set packing: false.")
     recurrent = sorted({type(m).__name__ for m in model.modules() if any(s in type(m).__name__ for s in _RECURRENT)})
     layer_types = set(getattr(model.config, "layer_types", None) or ()) - _ATTENTION_LAYERS
     if recurrent or layer_types:
@@ -79,18 +99,61 @@ def check_packing(model) -> None:
                           "layers would carry state from one packed sample into the next. Set packing: false.")
 
 
-def preflight(model, device: torch.device) -> str:
+def preflight(model, device: torch.device, vision: str = "frozen") -> str:
     """Host RAM the store needs against what the machine has (refuses a run that cannot fit)."""
-    from ..plan import _fmt, host_bytes
+    from ..plan import _fmt, host_bytes, vision_device_bytes
     need = host_bytes(model, device.type)
     have = host_memory_bytes()
     params = sum(p.numel() for p in model.parameters())
+    on_device = vision_device_bytes(model, vision)
     text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {_fmt(need.total)} "
             f"(masters {_fmt(need.masters)}, AdamW {_fmt(need.optimizer_state)}, transfer copies "
-            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}) of {_fmt(have)}; device {device}")
+            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}) of {_fmt(have)}; device {device}"
+            + (f" (vision tower, {vision}: {_fmt(on_device)} on it)" if on_device else ""))
     if need.total > have:
         raise PreflightError(f"{text}: not enough host RAM. Add {_fmt(need.total - have)}, train a smaller model, "
                              "or freeze part of it.")
+    return text
+
+
+def _hardware(config: TrainConfig, device: torch.device, dtype: torch.dtype):
+    """The profile the plan simulates: the `hardware` option, else this machine's (the CPU's
+    measured rates; a CUDA GPU's closest built-in profile with its real free memory)."""
+    import dataclasses
+
+    from ..hardware import BUILTIN, load_hardware
+    spec = config.megatrain.get("hardware")
+    if spec is not None:
+        return load_hardware(spec, dtype)
+    if device.type == "cpu":   # memory figures only: rooflines instead of timing every body
+        return dataclasses.replace(load_hardware("cpu", dtype), measure_ops=False)
+    name = torch.cuda.get_device_name(device).lower()
+    profile = next((hw for key, hw in BUILTIN.items() if key in name), BUILTIN["h100"])
+    free, _ = torch.cuda.mem_get_info(device)
+    return dataclasses.replace(profile, device_memory_gib=free / 2**30)
+
+
+def plan_check(model, config: TrainConfig, device: torch.device) -> str:
+    """The device half of the preflight, from `megatrain plan`: the step's device peak at
+    per_device_train_batch_size x cutoff_len against the usable device memory (on the CPU, the
+    RAM left after the host store). Refuses a run that cannot fit, saying what to change."""
+    from ..plan import _fmt, plan_model
+    dtype = next(model.parameters()).dtype
+    batch = config.per_device_train_batch_size
+    options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head")}
+    plan = plan_model(model.config, hardware=_hardware(config, device, dtype), seq=config.cutoff_len, batch=batch,
+                      slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
+                      vision=config.vision)
+    est = next((b for b in plan.batches if b.batch == batch), None)   # None: not even batch 1 fits
+    if est is None or est.device_peak_bytes > plan.device_capacity:
+        raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} does not fit the "
+                             f"{_fmt(plan.device_capacity)} usable on {device} ({plan.hardware['name']} profile). "
+                             + " ".join(plan.problems) + " In the config: lower per_device_train_batch_size (raise "
+                             "gradient_accumulation_steps to keep the effective batch) or cutoff_len.")
+    text = (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
+            f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
+            f"{_fmt(plan.device_weight_bytes)}); about {est.step_seconds * config.gradient_accumulation_steps:.2f} "
+            f"s/step ({plan.hardware['name']} profile)")
     return text
 
 
@@ -162,14 +225,18 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     device = options.torch_device
     resume_from = prepare_output(config)
     _seed(config.seed)
-    model, tokenizer = load_model(config, device)
+    model, tokenizer, processor = load_model(config, device)
     if config.packing and config.stage == "sft":
         check_packing(model)
-    print(preflight(model, device), flush=True)
-    examples, counts = build_examples(config, tokenizer)
+    print(preflight(model, device, config.vision), flush=True)
+    print(plan_check(model, config, device), flush=True)
+    images = image_inputs(config, model, processor)
+    examples, counts = build_examples(config, tokenizer, images)
     packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
+    cut = (f", {counts['dropped_images']} dropped: cutoff_len cut into an image" if "dropped_images" in counts
+           else "")
     print(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples "
-          f"({counts['dropped']} dropped: no reply left within cutoff_len={config.cutoff_len}); the first one, "
+          f"({counts['dropped']} dropped: no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, "
           f"[[not trained]]:\n{show_example(tokenizer, examples[0])}", flush=True)
 
     batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
@@ -186,7 +253,10 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
         # work and refuses a schedule that does not fit in the free device memory
         free, _ = torch.cuda.mem_get_info(device)
         compile_options["device_budget"] = int(free * 0.95)
-    cmodel = torch.compile(model, backend="megatrain", options=compile_options)
+    if is_vlm(model):   # language stack compiled, vision side eager on the device (megacompile/vlm.py)
+        cmodel = vlm.compile(model, vision=config.vision, options=compile_options)
+    else:
+        cmodel = torch.compile(model, backend="megatrain", options=compile_options)
     optimizer = make_optimizer(model, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
@@ -207,7 +277,8 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     with open(out / LOG_NAME, "a") as log:
         while state["step"] < total:
             t0 = time.perf_counter()
-            micro = [collate([examples[i] for i in order.next()], tokenizer.pad_token_id) for _ in range(accum)]
+            micro = [collate([examples[i] for i in order.next()], tokenizer.pad_token_id, images=images)
+                     for _ in range(accum)]
             tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
             count = torch.tensor(max(tokens, 1))
             loss = 0.0
@@ -256,7 +327,7 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
         writer.close()
     if state["step"] >= total:
         model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        (processor or tokenizer).save_pretrained(out)
         _plot(out)
         print(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
               f"{state['skipped_steps']} skipped; the model is in {out}", flush=True)
