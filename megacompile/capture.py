@@ -200,9 +200,21 @@ def _effective_use_cache(root: nn.Module, f_locals: dict[str, Any]) -> Any:
     return bool(value)
 
 
+_READ_UP_TO: list = [None]   # the newest Dynamo compilation record an error has read
+
+
+def _mark_records_read() -> None:
+    records = getattr(torch._dynamo.utils, "_compilation_metrics", ())
+    _READ_UP_TO[0] = records[-1] if records else None
+
+
 def _break_site(model: nn.Module) -> tuple[str, str, str]:
     """(reason, "file:line", place) of the graph break Dynamo recorded for this model."""
     records = list(getattr(torch._dynamo.utils, "_compilation_metrics", ()))
+    # The records are process-wide: those up to the last one an earlier error read are an
+    # earlier model's (a stale break site would point the user at the wrong code).
+    if _READ_UP_TO[0] is not None and any(r is _READ_UP_TO[0] for r in records):
+        records = records[next(i for i, r in enumerate(records) if r is _READ_UP_TO[0]) + 1:]
     failures = [r for r in records if getattr(r, "fail_user_frame_filename", None)]
     owners = {}
     for name, mod in model.named_modules():
@@ -219,12 +231,8 @@ def _break_site(model: nn.Module) -> tuple[str, str, str]:
                 lines.append(name)
         return lines
 
-    for rec in reversed(failures):
-        names = owners_of(rec)
-        if names:
-            break
-    else:
-        rec, names = (failures[-1], []) if failures else (None, [])
+    rec, names = next(((r, n) for r in reversed(failures) if (n := owners_of(r))),
+                      (failures[-1], []) if failures else (None, []))
     if rec is None:
         return "Dynamo split the model into several graphs", "", ""
     reason = (rec.fail_reason or "").split("\n")[0]
@@ -246,6 +254,13 @@ def _break_site(model: nn.Module) -> tuple[str, str, str]:
 
 
 def raise_graph_break(model: nn.Module, reason=None) -> None:
+    try:
+        _raise_graph_break(model, reason)
+    finally:
+        _mark_records_read()
+
+
+def _raise_graph_break(model: nn.Module, reason=None) -> None:
     if reason is not None and getattr(reason, "user_stack", None):
         frame = reason.user_stack[-1]
         why = str(getattr(reason, "reason", "")).split("\n")[0]

@@ -185,3 +185,16 @@ def test_router_aux_loss_after_a_dynamo_reset_needs_one_more_call():
     torch._dynamo.reset()
     out = cmodel(input_ids=ids, labels=ids, use_cache=False)
     assert out.aux_loss is not None and megacompile.stats(cmodel)["compiled_graphs"] == 1
+
+
+def test_a_break_site_is_never_an_earlier_models():
+    """Dynamo's failure records are process-wide: once an error has read them, a later model's
+    error does not point at the earlier model's break (here transformers' hook registration)."""
+    from megacompile.capture import _break_site
+    model = _moe_with_router_logits(in_config=False)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids = torch.randint(0, 128, (2, 8))
+    with pytest.raises(Exception):
+        cmodel(input_ids=ids, labels=ids, use_cache=False, output_router_logits=True)
+    reason, site, place = _break_site(tiny_model("llama", layers=2))
+    assert (site, place) == ("", "") and "several graphs" in reason
