@@ -109,6 +109,8 @@ def _master_entry(p: nn.Parameter) -> WeightEntry | None:
 
 
 def _live_entries(optimizer: torch.optim.Optimizer):
+    if getattr(optimizer, "updates_transfer_copies", False):   # runtime/adamw.py's HostAdamW
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             if (entry := _master_entry(p)) is not None:

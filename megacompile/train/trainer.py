@@ -1,7 +1,7 @@
 """The training loop behind `megatrain train`.
 
     config -> preflight (host RAM) -> data (registry, template, masks; one example printed)
-           -> torch.compile(model, backend="megatrain") -> AdamW on fp32 masters + LR schedule
+           -> torch.compile(model, backend="megatrain") -> HostAdamW on fp32 masters + LR schedule
            -> steps: accumulate micro-batches (loss normalised by the step's trained tokens),
               clip, skip non-finite steps, log (tqdm, JSONL, TensorBoard), checkpoint
            -> HF model folder in output_dir (+ loss plot)
@@ -21,6 +21,7 @@ from ..errors import ConfigError, MegatrainError
 from ..hardware import host_memory_bytes
 from .. import vlm
 from ..options import Options
+from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
 from . import checkpoint
 from .config import TrainConfig
@@ -173,13 +174,14 @@ def lr_lambda(config: TrainConfig, total: int):
     return factor
 
 
-def make_optimizer(model, config: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model, config: TrainConfig) -> HostAdamW:
+    """AdamW on the host (runtime/adamw.py: one pass per parameter that also refreshes its
+    transfer copy); no weight decay on biases and norms."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]   # biases, norms
-    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2),
-                             eps=config.adam_epsilon)
+    return HostAdamW([{"params": decay, "weight_decay": config.weight_decay},
+                      {"params": no_decay, "weight_decay": 0.0}],
+                     lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
 
 
 # output dir -------------------------------------------------------------------------
@@ -287,10 +289,12 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
                 out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
                 out_mb.loss.backward()
                 loss += out_mb.loss.item()
-            norm = torch.nn.utils.clip_grad_norm_(
-                params, config.max_grad_norm if config.max_grad_norm > 0 else math.inf).item()
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).item()
+            # clipping by the global norm: the factor is applied inside the optimizer's pass
+            # (runtime/adamw.py), not by a pass of its own over the gradients
+            clip = min(1.0, config.max_grad_norm / (norm + 1e-6)) if config.max_grad_norm > 0 else 1.0
             if math.isfinite(loss) and math.isfinite(norm):
-                optimizer.step()
+                optimizer.step(grad_scale=clip)
             else:
                 state["skipped_steps"] += 1
                 bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm});"

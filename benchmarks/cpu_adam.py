@@ -1,0 +1,100 @@
+"""The host optimizer step against torch's AdamW and the machine's copy bandwidth.
+
+One flat fp32 parameter of N elements (its gradient, both moments; for the bf16 rows also the
+bf16 transfer copy the step must refresh), stepped by:
+  - megatrain HostAdamW kernel (runtime/csrc/adamw.cpp): AdamW + bf16 copy in one pass
+    (30 bytes/param), and without the copy (28);
+  - torch.optim.AdamW fused=True (torch's fused CPU kernel), then the bf16 copy (28 + 6);
+  - torch.optim.AdamW foreach=True (the default multi-tensor path), then the bf16 copy.
+The limit is a STREAM-style copy measured in the same run (`dst.copy_(src)` on 4N-byte fp32
+buffers: 8N bytes moved). GB/s counts the bytes an update must move (reads + writes), so the
+ratio to the copy bandwidth says how close a step is to the memory system's limit. Medians.
+
+    python benchmarks/cpu_adam.py [--params 64e6 --repeat 7 --threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from megacompile.runtime.adamw import kernel
+
+
+def median_seconds(fn, repeat: int) -> float:
+    fn()  # warm up (first touch of the pages, thread pool start)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", type=float, default=64e6, help="parameters in the flat buffer (default 64e6)")
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    n = int(args.params)
+    ext = kernel()
+    if ext is None:
+        raise SystemExit("the fused kernel could not be built here (see the warning): nothing to compare")
+    print(f"{n / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, torch {torch.__version__}")
+
+    src, dst = torch.rand(n), torch.empty(n)
+    copy_s = median_seconds(lambda: dst.copy_(src), args.repeat)
+    copy_gbps = 8 * n / copy_s / 1e9
+    del src, dst
+
+    g = torch.Generator().manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(n, generator=g))
+    param.grad = torch.randn(n, generator=g) * 1e-3
+    low = torch.empty(n, dtype=torch.bfloat16)
+    m, v = torch.zeros(n), torch.zeros(n)
+    step = [0]
+
+    def ours(copy: bool):
+        def run():
+            step[0] += 1
+            ext.adamw_step(param.data, param.grad, m, v, low if copy else None, 1e-4, 0.9, 0.999, 1e-8, 0.01,
+                           step[0], 1.0)
+        return run
+
+    def torch_opt(**kw):
+        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01, **kw)
+
+        def run(copy: bool):
+            def step_fn():
+                opt.step()
+                if copy:
+                    low.copy_(param.data)
+            return step_fn
+        return run
+
+    fused, foreach = torch_opt(fused=True), torch_opt(foreach=True)
+    rows = [("megatrain HostAdamW + bf16 copy (one pass)", ours(True), 30),
+            ("megatrain HostAdamW, no copy", ours(False), 28),
+            ("torch AdamW fused + bf16 copy", fused(True), 34),
+            ("torch AdamW fused, no copy", fused(False), 28),
+            ("torch AdamW foreach + bf16 copy", foreach(True), 34)]
+    print(f"\ncopy bandwidth (STREAM-style dst.copy_(src)): {copy_gbps:.1f} GB/s\n")
+    print(f"{'step':<44} {'ms':>8} {'Mparam/s':>10} {'GB/s':>8} {'of copy':>8}")
+    results = {}
+    for name, fn, bytes_per_param in rows:
+        s = median_seconds(fn, args.repeat)
+        results[name] = s
+        gbps = bytes_per_param * n / s / 1e9
+        print(f"{name:<44} {s * 1e3:>8.1f} {n / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / copy_gbps:>7.0%}")
+    ours_s = results["megatrain HostAdamW + bf16 copy (one pass)"]
+    print(f"\nspeed-up of the bf16 step over torch fused + copy: {results['torch AdamW fused + bf16 copy'] / ours_s:.2f}x,"
+          f" over torch foreach + copy: {results['torch AdamW foreach + bf16 copy'] / ours_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""The host optimizer (runtime/adamw.py): torch AdamW's update, the transfer copy written in the
+same pass with torch's rounding, the clipping factor fused in, state interchangeable with
+torch's AdamW, and a megatrain-compiled bf16 model trained with it like with torch's AdamW."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import megacompile  # noqa: F401  (registers the backend)
+from conftest import batch, tiny_model
+from megacompile.runtime import adamw
+from megacompile.runtime.adamw import HostAdamW
+from megacompile.runtime.store import master_weight
+
+# One float32 rounding step of difference from torch's kernels is allowed: torch's fused and
+# foreach AdamW themselves differ by that much (both are checked against each other here).
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _params(shapes, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _run(opt_cls, params, steps, seed, scale=1.0, **kw):
+    opt = opt_cls(params, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        if opt_cls is HostAdamW:
+            opt.step(grad_scale=scale)
+        else:
+            for p in params:
+                p.grad.mul_(scale)
+            opt.step()
+    return opt
+
+
+@settings(max_examples=12, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 70)), min_size=1, max_size=3),
+       lr=st.sampled_from([1e-4, 3e-3, 0.1]), wd=st.sampled_from([0.0, 0.01, 0.3]),
+       betas=st.sampled_from([(0.9, 0.999), (0.8, 0.95)]), scale=st.sampled_from([1.0, 0.37]),
+       seed=st.integers(0, 1000))
+def test_update_matches_torch_adamw(shapes, lr, wd, betas, scale, seed):
+    kw = dict(lr=lr, weight_decay=wd, betas=betas, eps=1e-8)
+    ours = _params(shapes, seed)
+    fused, plain = copy.deepcopy(ours), copy.deepcopy(ours)
+    _run(HostAdamW, ours, 4, seed, scale, **kw)
+    _run(torch.optim.AdamW, fused, 4, seed, scale, fused=True, **kw)
+    _run(torch.optim.AdamW, plain, 4, seed, scale, foreach=False, **kw)
+    for a, b, c in zip(ours, fused, plain):
+        torch.testing.assert_close(a, b, **TOL)
+        torch.testing.assert_close(a, c, **TOL)
+
+
+def test_the_kernel_is_built_here():
+    """CI has a compiler: the fused kernel, not the fallback, is what the other tests check."""
+    assert adamw.kernel() is not None
+
+
+@pytest.mark.parametrize("low", [torch.bfloat16, torch.float16])
+def test_transfer_copy_rounds_like_torch(low):
+    """With lr 0 the weights stay, and the copy written in the pass equals torch's conversion
+    bit for bit: every exponent, halfway cases, infinities, NaN, subnormals."""
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(50_000, generator=g) * torch.exp2(torch.randint(-140, 128, (50_000,), generator=g).float())
+    halfway = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, 1.0 + 2 ** -11, 65520.0, -65504.0, 6e-8, 1e-45])
+    special = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 3.4e38])
+    w = torch.cat([values, halfway, special])
+    ext = adamw.kernel()
+    out = torch.empty(w.shape, dtype=low)
+    ext.adamw_step(w, torch.zeros_like(w), torch.zeros_like(w), torch.zeros_like(w), out, 0.0, 0.9, 0.999, 1e-8,
+                   0.0, 1, 1.0)
+    ref = w.to(low)
+    same = (out.view(torch.int16) == ref.view(torch.int16)) | (out.isnan() & ref.isnan())
+    assert bool(same.all()), (w[~same][:5], out[~same][:5], ref[~same][:5])
+
+
+def test_state_is_interchangeable_with_torch_adamw():
+    """A HostAdamW state dict continues in torch's AdamW and back, as if never switched."""
+    shapes = [(8, 5), (13,)]
+    ours, ref = _params(shapes, 3), _params(shapes, 3)
+    a = _run(HostAdamW, ours, 3, 3, lr=1e-2, weight_decay=0.1)
+    b = _run(torch.optim.AdamW, ref, 3, 3, lr=1e-2, weight_decay=0.1)
+    assert set(a.state_dict()["state"][0]) == set(b.state_dict()["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+    switched = torch.optim.AdamW(ours, lr=1e-2, weight_decay=0.1)
+    switched.load_state_dict(a.state_dict())
+    back = HostAdamW(ref, lr=1e-2, weight_decay=0.1)
+    back.load_state_dict(b.state_dict())
+    g = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        for p, q in zip(ours, ref):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        switched.step()
+        back.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_fallback_without_the_kernel(monkeypatch):
+    """No compiler: torch's fused AdamW and a copy give the same update."""
+    shapes = [(6, 7), (3,)]
+    fast, slow = _params(shapes, 5), _params(shapes, 5)
+    _run(HostAdamW, fast, 3, 5, 0.5, lr=1e-2, weight_decay=0.1)
+    monkeypatch.setattr(adamw, "_KERNEL", [None])
+    _run(HostAdamW, slow, 3, 5, 0.5, lr=1e-2, weight_decay=0.1)
+    for p, q in zip(fast, slow):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def test_compiled_bf16_model_trains_like_with_torch_adamw():
+    """A megatrain-compiled bf16 model, gradients clipped by 0.5: HostAdamW (factor fused in)
+    updates the fp32 masters as torch's AdamW does through the store's hooks (grads scaled
+    first), and the bf16 transfer copies it writes are the masters rounded."""
+    runs = {}
+    for name, opt_cls in (("host", HostAdamW), ("torch", torch.optim.AdamW)):
+        torch._dynamo.reset()
+        model = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+        opt = opt_cls(model.parameters(), lr=1e-3, weight_decay=0.01)
+        losses = []
+        for step in range(3):
+            ids, mask, labels = batch(seed=step)
+            loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+            if name == "host":
+                opt.step(grad_scale=0.5)
+            else:
+                for p in model.parameters():
+                    p.grad.mul_(0.5)
+                opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs[name] = (model, losses)
+    (host, host_losses), (ref, ref_losses) = runs["host"], runs["torch"]
+    assert host_losses[0] == ref_losses[0]
+    assert host_losses == pytest.approx(ref_losses, rel=1e-3)
+    for p, q in zip(host.parameters(), ref.parameters()):
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p.data, master_weight(p).to(torch.bfloat16))   # transfer copy = rounded master
+        torch.testing.assert_close(master_weight(p), master_weight(q), rtol=1e-4, atol=1e-5)
