@@ -11,8 +11,10 @@ On CUDA the transfer copies are pinned so host-to-device copies are asynchronous
 """
 from __future__ import annotations
 
+import itertools
+import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.optim.optimizer as _optim
@@ -28,6 +30,14 @@ class WeightEntry:
     master: torch.Tensor | None     # fp32 master when the transfer copy is low precision
     transfer: torch.Tensor | None   # its compute-dtype host copy (None: the parameter is both)
     synced_version: int = 0         # p._version when transfer and master last agreed
+    order: int = 0                  # registration order: the order the forward first reads weights
+    # cleared while an overlapped optimizer step has yet to update this weight (runtime/adamw.py)
+    ready: threading.Event = field(default_factory=lambda: _set_event())
+
+    def wait_ready(self) -> None:
+        """Block until a pending overlapped optimizer update of this weight is written."""
+        if not self.ready.is_set():
+            self.ready.wait()
 
     @property
     def param(self) -> nn.Parameter:
@@ -47,13 +57,15 @@ class WeightEntry:
         return self.param.requires_grad
 
     def source(self) -> torch.Tensor:
-        """The host tensor to copy to the device."""
+        """The host tensor to copy to the device (once its pending update, if any, is written)."""
+        self.wait_ready()
         return self.param.data
 
     def accumulate_grad(self, grad: torch.Tensor, rows: list[int] | None = None) -> int:
         """Deliver a device gradient to `param.grad` on the host as fp32; returns bytes moved.
         With `rows` (routed experts), only those rows of dim 0 move: the others are zero."""
         p = self.param
+        self.wait_ready()   # (the optimizer may still read the previous step's gradient)
         want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
         if rows is None:
             moved = grad.numel() * grad.element_size()
@@ -100,6 +112,19 @@ class WeightEntry:
 
 _ENTRIES: dict[int, WeightEntry] = {}
 _HOOKS_INSTALLED = False
+_ORDER = itertools.count()
+
+
+def _set_event() -> threading.Event:
+    event = threading.Event()
+    event.set()
+    return event
+
+
+def entry_of(p: nn.Parameter) -> WeightEntry | None:
+    """The store entry of `p`, if the parameter is registered."""
+    entry = _ENTRIES.get(id(p))
+    return entry if entry is not None and entry.param_ref() is p else None
 
 
 def _master_entry(p: nn.Parameter) -> WeightEntry | None:
@@ -159,11 +184,15 @@ def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
         if pin:
             master = master.pin_memory()
         _install_hooks()
-    return WeightEntry(weakref.ref(p), name, master, p.data if master is not None else None, p._version)
+    return WeightEntry(weakref.ref(p), name, master, p.data if master is not None else None, p._version,
+                       next(_ORDER))
 
 
 def master_weight(p: nn.Parameter) -> torch.Tensor:
     """The fp32 master of a parameter (the parameter itself when it is fp32)."""
+    entry = entry_of(p)
+    if entry is not None:
+        entry.wait_ready()
     entry = _master_entry(p)
     return entry.master if entry is not None else p.detach()
 

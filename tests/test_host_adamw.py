@@ -145,3 +145,43 @@ def test_compiled_bf16_model_trains_like_with_torch_adamw():
         assert p.dtype == torch.bfloat16
         assert torch.equal(p.data, master_weight(p).to(torch.bfloat16))   # transfer copy = rounded master
         torch.testing.assert_close(master_weight(p), master_weight(q), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
+    """overlap=True: the update runs on a host thread while the next step's forward starts,
+    each weight fetch waiting for that weight's update. With the thread slowed down (so the
+    forward does catch up with it), losses and weights equal the non-overlapped run's bit for
+    bit, clipping factor included."""
+    import time
+    slow_calls = []
+    real = adamw.kernel()
+
+    class Slow:
+        def adamw_step(self, *args):
+            slow_calls.append(1)
+            time.sleep(0.002)
+            real.adamw_step(*args)
+
+    runs = {}
+    for overlap in (False, True):
+        if overlap:
+            monkeypatch.setattr(adamw, "_KERNEL", [Slow()])
+        torch._dynamo.reset()
+        model = tiny_model("llama", layers=3, dtype=dtype)
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+        opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, overlap=overlap)
+        losses = []
+        for step in range(4):
+            ids, mask, labels = batch(seed=step)
+            loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+            opt.step(grad_scale=0.7)
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        runs[overlap] = (losses, {k: master_weight(p).clone() for k, p in model.named_parameters()})
+    assert slow_calls
+    assert runs[True][0] == runs[False][0]
+    for k, w in runs[False][1].items():
+        assert torch.equal(w, runs[True][1][k]), k

@@ -391,3 +391,14 @@ def test_report_to_tensorboard_writes_scalars(tiny_dir, tmp_path):
     assert [e.step for e in events.Scalars("train/loss")] == [1, 2]
     logged = [r["loss"] for r in log_rows(tmp_path / "out")]
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(logged, rel=1e-6)
+
+
+def test_overlapped_optimizer_trains_exactly_like_the_plain_step(tiny_dir, tmp_path):
+    """overlap_optimizer: true (the default on CUDA) gives the same losses and checkpoints."""
+    train(config(tiny_dir, tmp_path / "a", overlap_optimizer=False), progress=False)
+    train(config(tiny_dir, tmp_path / "b", overlap_optimizer=True), progress=False)
+    a, b = log_rows(tmp_path / "a" / "out"), log_rows(tmp_path / "b" / "out")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    wa = checkpoint.load_file(str(tmp_path / "a" / "out" / "checkpoint-4" / "model.safetensors"))
+    wb = checkpoint.load_file(str(tmp_path / "b" / "out" / "checkpoint-4" / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

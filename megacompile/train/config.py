@@ -64,6 +64,7 @@ class TrainConfig:
     warmup_ratio: float = 0.0
     warmup_steps: int = 0                   # > 0 overrides warmup_ratio
     seed: int = 42
+    overlap_optimizer: bool | None = None   # AdamW on a host thread under the next forward (None: on CUDA)
     # output
     output_dir: str = ""
     logging_steps: int = 10

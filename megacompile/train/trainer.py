@@ -174,14 +174,17 @@ def lr_lambda(config: TrainConfig, total: int):
     return factor
 
 
-def make_optimizer(model, config: TrainConfig) -> HostAdamW:
+def make_optimizer(model, config: TrainConfig, device: torch.device) -> HostAdamW:
     """AdamW on the host (runtime/adamw.py: one pass per parameter that also refreshes its
-    transfer copy); no weight decay on biases and norms."""
+    transfer copy; on a host thread overlapping the next forward when `overlap_optimizer`,
+    by default on CUDA); no weight decay on biases and norms."""
+    overlap = config.overlap_optimizer if config.overlap_optimizer is not None else device.type == "cuda"
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]   # biases, norms
     return HostAdamW([{"params": decay, "weight_decay": config.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}],
-                     lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon)
+                     lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+                     overlap=overlap)
 
 
 # output dir -------------------------------------------------------------------------
@@ -259,7 +262,7 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
         cmodel = vlm.compile(model, vision=config.vision, options=compile_options)
     else:
         cmodel = torch.compile(model, backend="megatrain", options=compile_options)
-    optimizer = make_optimizer(model, config)
+    optimizer = make_optimizer(model, config, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
     if resume_from is not None:
@@ -321,12 +324,14 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
                         writer.add_scalar(f"train/{key}", row[key], state["step"])
                 window = []
             if state["step"] % config.save_steps == 0 or state["step"] == total:
+                optimizer.synchronize()
                 checkpoint.save(out, state["step"], model, optimizer,
                                 {"scheduler": scheduler.state_dict(), "data": order.state_dict(), "state": state,
                                  "config": config.to_dict()}, config.save_total_limit)
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     bar.close()
+    optimizer.synchronize()
     if writer is not None:
         writer.close()
     if state["step"] >= total:
