@@ -171,8 +171,14 @@ def _entry_for(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
     if entry is None or entry.param_ref() is not p:
         entry = _new_entry(p, name, pin)
         _ENTRIES[id(p)] = entry
-        weakref.finalize(p, _ENTRIES.pop, id(p), None)
+        weakref.finalize(p, _drop, id(p), entry)
     return entry
+
+
+def _drop(key: int, entry: WeightEntry) -> None:
+    """A parameter died: drop its entry, unless a newer parameter at the same id() owns the key."""
+    if _ENTRIES.get(key) is entry:
+        del _ENTRIES[key]
 
 
 def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:

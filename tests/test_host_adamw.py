@@ -185,3 +185,18 @@ def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
     assert runs[True][0] == runs[False][0]
     for k, w in runs[False][1].items():
         assert torch.equal(w, runs[True][1][k]), k
+
+
+def test_a_dead_parameter_never_drops_the_entry_of_a_newer_one_at_its_id():
+    """Python reuses id()s: the finalizer of a collected parameter must not remove the store
+    entry a newer parameter registered under the same id (found with the overlapped optimizer:
+    a second model's weights lost their entries when the first model was collected)."""
+    from megacompile.runtime import store
+    old = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    stale = store._entry_for(old, "old", False)
+    new = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    store._ENTRIES[id(old)] = fresh = store._new_entry(new, "new", False)   # as if `new` had old's id
+    store._drop(id(old), stale)
+    assert store._ENTRIES.get(id(old)) is fresh
+    store._drop(id(old), fresh)
+    assert id(old) not in store._ENTRIES

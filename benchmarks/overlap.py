@@ -1,0 +1,165 @@
+"""The overlapped engine on a GPU against the GPU-resident limit.
+
+For one 1B-8B model (random weights, a real model's shapes), prints the median step of:
+  limit        the whole model, fp32 AdamW state and gradients resident on the GPU, per-layer
+               torch.utils.checkpoint (the recomputation megatrain does), torch's fused AdamW
+               on the GPU: what the same step costs when nothing has to move;
+  megatrain    torch.compile(backend="megatrain"): weights streamed layer by layer from the host
+               store, gradients sent back, HostAdamW on the host after the backward;
+  +overlap     the same with HostAdamW(overlap=True): the optimizer runs under the next forward.
+For each: step seconds, tokens/s, model TFLOP/s (6 x parameters x tokens; recompute not
+counted) and MFU against the hardware profile's dense rate; for megatrain the exposed transfer
+time (its forward+backward minus the limit's) and the exposed optimizer time (its step minus
+its forward+backward). Medians over --steps after --warmup.
+
+    python benchmarks/overlap.py                          # Llama-3.2-3B shapes, batch 4 x 2048, H200 profile
+    python benchmarks/overlap.py --model qwen2.5-7b --layers 28 --batch 2
+    python benchmarks/overlap.py --device cpu --model tiny --steps 2   # smoke run of this script
+Host RAM needed: about 18 bytes/parameter (3B: ~58 GB; the H200 machine has 128 GiB).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import megacompile
+from megacompile.hardware import load_hardware
+from megacompile.runtime.adamw import HostAdamW
+
+SHAPES = {
+    "llama-3.2-3b": dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                         num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                         max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=32768, tie_word_embeddings=False),
+    "tiny": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+}
+
+
+def build(args, device) -> torch.nn.Module:
+    values = dict(SHAPES[args.model])
+    if args.layers:
+        values["num_hidden_layers"] = args.layers
+    cfg = AutoConfig.for_model(values.pop("model_type"), **values)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    model.config.use_cache = False
+    return model.train()
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run(step, args, device) -> dict[str, float]:
+    times: dict[str, list[float]] = {}
+    for i in range(args.warmup + args.steps):
+        parts = step()
+        if i >= args.warmup:
+            for k, v in parts.items():
+                times.setdefault(k, []).append(v)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def limit_step(args, device, data):
+    model = build(args, device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-5, fused=device.type == "cuda")
+
+    def step():
+        sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=data, labels=data).loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
+        for m, p in zip(masters, model.parameters()):
+            m.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, p in zip(masters, model.parameters()):
+                p.copy_(m)
+        sync(device)
+        t2 = time.perf_counter()
+        return {"step": t2 - t0, "fwd_bwd": t1 - t0, "optimizer": t2 - t1}
+    return model, step
+
+
+def megatrain_step(args, device, data, overlap: bool):
+    model = build(args, "cpu")   # the host store is the model's home
+    cmodel = torch.compile(model, backend="megatrain", options={"device": str(device), "slots": args.slots})
+    opt = HostAdamW(model.parameters(), lr=1e-5, overlap=overlap)
+
+    def step():
+        sync(device)
+        t0 = time.perf_counter()
+        cmodel(input_ids=data, labels=data, use_cache=False).loss.backward()
+        sync(device)
+        t1 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if not overlap:
+            opt.synchronize()
+        t2 = time.perf_counter()
+        return {"step": t2 - t0, "fwd_bwd": t1 - t0, "optimizer": t2 - t1}
+    return model, step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama-3.2-3b", choices=sorted(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="keep this many layers (default: all)")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--slots", type=int, default=2)
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--hardware", default="h200", help="profile for MFU (h200, h100, ... or a JSON path)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--skip-limit", action="store_true", help="skip the GPU-resident limit (e.g. it does not fit)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    peak_tflops = load_hardware(args.hardware).compute_tflops if device.type == "cuda" else None
+    data = torch.randint(0, SHAPES[args.model]["vocab_size"], (args.batch, args.seq), device=device)
+    tokens = args.batch * args.seq
+    results, params = {}, 0
+    configs = ([] if args.skip_limit else [("limit (GPU-resident, per-layer ckpt)", lambda: limit_step(args, device, data))])
+    configs += [("megatrain", lambda: megatrain_step(args, device, data, False)),
+                ("megatrain +overlap", lambda: megatrain_step(args, device, data, True))]
+    for name, make in configs:
+        model, step = make()
+        params = sum(p.numel() for p in model.parameters())
+        results[name] = run(step, args, device)
+        del model, step
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print(f"{args.model}: {params / 1e9:.2f}B parameters, batch {args.batch} x seq {args.seq} = {tokens} tokens, "
+          f"{args.dtype}, device {device}, torch {torch.__version__}")
+    print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
+    for name, r in results.items():
+        tflops = 6 * params * tokens / r["step"] / 1e12
+        mfu = f"{tflops / peak_tflops:.1%}" if peak_tflops else "-"
+        print(f"{name:<40} {r['step']:>8.3f} {r['fwd_bwd']:>8.3f} {r['optimizer']:>7.3f} {tokens / r['step']:>9.0f} "
+              f"{tflops:>8.1f} {mfu:>6}")
+    limit = next((r for n, r in results.items() if n.startswith("limit")), None)
+    for name in ("megatrain", "megatrain +overlap"):
+        r = results[name]
+        exposed_transfer = r["fwd_bwd"] - limit["fwd_bwd"] if limit else float("nan")
+        print(f"{name}: exposed transfer {exposed_transfer:.3f} s, exposed optimizer {r['step'] - r['fwd_bwd']:.3f} s"
+              + (f", step {r['step'] / limit['step']:.2f}x the limit" if limit else ""))
+
+
+if __name__ == "__main__":
+    main()
