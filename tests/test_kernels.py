@@ -12,8 +12,9 @@ Tolerances (`assert_matches`, elementwise |k - r| <= tol * (max(1, max|r|) + |r|
   an element, relative to itself. The kernels round once from fp32 (round-to-nearest-even), while
   the torch references also round intermediates to bf16 (silu(gate) before the product, dy * w in
   RMSNorm's backward, the logits gradient before the matmuls), so single elements legitimately
-  differ by one ulp (observed worst: 0.98 u). Under the interpreter this needs the RTNE emulation
-  in runtime/kernels/_common.py: its own fp32 -> bf16 cast truncates (up to 1.9 u here).
+  differ by one ulp (observed worst over a random sweep: 0.98 u). Under the interpreter that
+  relies on the round-to-nearest-even emulation in runtime/kernels/_common.py: the interpreter's
+  own fp32 -> bf16 cast truncates, and without the emulation the worst error seen was 1.9 u.
 """
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ def _check_rmsnorm(shape, dtype, offset, cast_before_weight, eps, seed, weight_d
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(rows=st.integers(1, 33), hidden=st.integers(1, 96), three_d=st.booleans(),
        variant=st.sampled_from(["llama", "gemma", "llama+offset", "gemma-no-offset"]),
        eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**16))
@@ -128,7 +129,7 @@ def _check_swiglu(shape, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(rows=st.integers(1, 33), cols=st.integers(1, 96), batch=st.integers(1, 3),
        seed=st.integers(0, 2**16))
 def test_swiglu_matches_reference(dtype, rows, cols, batch, seed):
@@ -150,4 +151,4 @@ def test_swiglu_extreme_gates_stay_finite():
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_swiglu_large(dtype):
-    _check_swiglu((4, 129, 2753), dtype, 7)
+    _check_swiglu((2, 129, 2753), dtype, 7)

@@ -56,7 +56,7 @@ def _check(hidden, weight, labels, reduction, dtype, grad_scale=1.0, **kw):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(n=st.integers(1, 33), h=st.integers(1, 48), v=st.integers(1, 300),
        chunk=st.one_of(st.none(), st.integers(1, 40)), reduction=st.sampled_from(["sum", "mean"]),
        ignore_frac=st.sampled_from([0.0, 0.3, 1.0]), grad_scale=st.sampled_from([1.0, 0.37]),
@@ -141,7 +141,7 @@ def test_linear_ce_never_allocates_full_logits(dtype):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("n,h,v,chunk", [(300, 64, 5003, 64), (1024, 128, 2048, None), (77, 96, 32000, 16)])
+@pytest.mark.parametrize("n,h,v,chunk", [(200, 64, 5003, 64), (512, 128, 2048, None), (48, 96, 32000, 16)])
 def test_linear_ce_large(dtype, n, h, v, chunk):
     hidden, weight, labels = _inputs(n, h, v, dtype, 16, 0.25)
     _check(hidden, weight, labels, "mean", dtype, chunk_size=chunk)

@@ -6,6 +6,8 @@
 - `linear_cross_entropy.linear_cross_entropy`  chunked LM head + cross entropy that never
                                              materialises the [N, V] logits; the gradient is
                                              computed in the forward ("gradient in the forward").
+- `_common`                                  shared @triton.jit helpers (reductions, bf16 casts
+                                             that round to nearest even under the interpreter).
 
 Import the submodules (`from megacompile.runtime.kernels.rmsnorm import rmsnorm`); this package
 itself does not import triton, so a test can set TRITON_INTERPRET=1 before the kernels are

@@ -1,9 +1,10 @@
 """Small @triton.jit helpers shared by the kernels (interpreter-safe).
 
-- Reductions use `tl.reduce` with the combine functions below, not `tl.sum` / `tl.max` /
-  `tl.zeros`: those are @jit library functions, decorated when triton is first imported, so under
-  TRITON_INTERPRET=1 they only work if the variable was set before that import (and torch._dynamo
-  imports triton early). Builtins (`tl.reduce`, `tl.full`, `tl.exp`, ...) work either way.
+- Reductions call the builtin `tl.reduce` with the combine functions below, not `tl.sum` /
+  `tl.max` / `tl.zeros`: those are @jit library functions, decorated when triton is first
+  imported, so under TRITON_INTERPRET=1 they only work if the variable was set before that import
+  (and torch._dynamo imports triton early). Builtins (`tl.reduce`, `tl.full`, `tl.exp`, ...) work
+  either way; a combine function is only compared by identity on the interpreter's fast path.
 - `to_dtype`: Triton's interpreter (3.x) truncates fp32 -> bf16 casts (round toward zero, even
   with fp_downcast_rounding="rtne"), where GPUs and torch round to nearest even. With
   `EMULATE_RTNE` (the wrappers set it for CPU tensors, i.e. under the interpreter) bf16 results
@@ -17,18 +18,25 @@ import triton.language as tl
 
 
 @triton.jit
-def add(a, b):
+def _add(a, b):
     return a + b
 
 
 @triton.jit
-def maximum(a, b):
+def _maximum(a, b):
     return tl.maximum(a, b)
+
+
+# Combine functions for tl.reduce. Prefer triton's own (the ones tl.sum / tl.max reduce with when
+# compiled): the interpreter recognises those by identity and reduces with numpy, while it applies
+# any other combine function element by element in Python (about 100x slower on a 1k-wide row).
+add = getattr(tl.standard, "_sum_combine", _add)
+maximum = getattr(tl.standard, "_elementwise_max", _maximum)
 
 
 @triton.jit
 def to_dtype(x, dtype: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    """Cast an fp32 block to `dtype` (round to nearest even for bf16 also under the interpreter)."""
+    # cast an fp32 block to `dtype`, rounding to nearest even for bf16 also under the interpreter
     if EMULATE_RTNE:
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)

@@ -4,7 +4,8 @@ materialising the [N, V] logits.
 Computes the same value as `F.cross_entropy((hidden @ weight.T).float(), labels,
 ignore_index=-100, reduction=...)`, i.e. HuggingFace's `lm_head` followed by its causal-LM loss
 (which upcasts the logits to fp32), with `reduction` "sum" or "mean" (mean over non-ignored
-tokens; all tokens ignored gives nan, like torch). Labels are already aligned with `hidden` (the
+tokens; all tokens ignored gives nan, like torch; for HF's `num_items_in_batch` normalisation use
+"sum" and divide). Labels are already aligned with `hidden` (the
 caller does the causal shift); valid labels must lie in [0, V).
 
 Why fused: for a 128k vocabulary the fp32 logits, their softmax and their gradient are each
@@ -39,7 +40,6 @@ DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Vocabulary block off-GPU (Triton interpreter): small, so that tests with a few hundred classes
 # already run the multi-block online logsumexp.
 INTERPRETER_BLOCK_V = 128
-
 
 
 @triton.jit
@@ -80,11 +80,13 @@ def _ce_loss_grad_kernel(LOGITS, LABELS, LOSS, SCALE, n_rows, n_cols, stride_log
         p = tl.exp(x - lse[:, None])
         g = p - tl.where(cols[None, :] == labels[:, None], 1.0, 0.0)
         g = tl.where(valid[:, None], g * scale, 0.0)
-        tl.store(row_ptr + cols[None, :], to_dtype(g, LOGITS.dtype.element_ty, EMULATE_RTNE), mask=mask)
+        g = to_dtype(g, LOGITS.dtype.element_ty, EMULATE_RTNE)
+        tl.store(row_ptr + cols[None, :], g, mask=mask)
 
 
 def _kernel_config(device: torch.device, n_cols: int) -> tuple[int, int, int]:
-    block_v = min(triton.next_power_of_2(n_cols), 4096 if device.type == "cuda" else INTERPRETER_BLOCK_V)
+    block_v = triton.next_power_of_2(n_cols)
+    block_v = min(block_v, 4096 if device.type == "cuda" else INTERPRETER_BLOCK_V)
     # GPU: one row per program (the vocabulary loop is the parallel work); interpreter: a few
     # rows per program, since programs run serially in Python there.
     block_m = 1 if device.type == "cuda" else 8
@@ -98,10 +100,12 @@ def _loss_and_grad_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: 
     block_m, block_v, num_warps = _kernel_config(logits.device, n_cols)
     _ce_loss_grad_kernel[(triton.cdiv(n_rows, block_m),)](
         logits, labels, loss_rows, scale, n_rows, n_cols, logits.stride(0), ignore_index,
-        EMULATE_RTNE=emulate_rtne(logits.device), BLOCK_M=block_m, BLOCK_V=block_v, num_warps=num_warps)
+        EMULATE_RTNE=emulate_rtne(logits.device), BLOCK_M=block_m, BLOCK_V=block_v,
+        num_warps=num_warps)
 
 
-def _chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None, chunk_bytes: int) -> int:
+def _chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None,
+                chunk_bytes: int) -> int:
     if chunk_size is None:
         chunk_size = chunk_bytes // max(1, vocab * itemsize)
     return max(1, min(int(chunk_size), max(n_rows, 1)))
@@ -162,6 +166,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         dh = dw = None

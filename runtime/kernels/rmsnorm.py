@@ -89,7 +89,8 @@ def _rmsnorm_bwd_kernel(DY, X, W, RSTD, DX, DW_PARTIAL, n_rows, n_cols, stride_d
 
 def _blocks(n_cols: int) -> tuple[int, int, int]:
     if n_cols > MAX_FUSED_HIDDEN:
-        raise ValueError(f"rmsnorm kernel supports a last dimension up to {MAX_FUSED_HIDDEN}, got {n_cols}")
+        raise ValueError(f"rmsnorm kernel supports a last dimension up to {MAX_FUSED_HIDDEN}, "
+                         f"got {n_cols}")
     block_n = triton.next_power_of_2(n_cols)
     block_m = max(1, min(16, 4096 // block_n))
     num_warps = max(1, min(16, block_m * block_n // 512))
@@ -131,6 +132,7 @@ class RMSNormFunction(torch.autograd.Function):
         return y.reshape(shape)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x2, weight, rstd = ctx.saved_tensors
         n_rows, n_cols = x2.shape

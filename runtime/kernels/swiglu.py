@@ -70,6 +70,7 @@ class SwiGLUFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         gate_c, up_c = ctx.saved_tensors
         dout = dout.contiguous()
