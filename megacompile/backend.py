@@ -29,6 +29,7 @@ from .capture import ModelCapture, capture_inputs
 from .options import Options
 from .passes import PassContext, run_pipeline
 from .passes.dedupe_bodies import dedupe_bodies
+from .passes.fused_kernels import fused_kernels
 from .passes.layer_regions import layer_regions
 from .passes.memory_plan import check_budget, memory_plan
 from .passes.recompute_boundaries import recompute_boundaries
@@ -43,7 +44,8 @@ from .runtime import store
 from .runtime.executor import DirectionRunner
 from .runtime.weight_pool import DeviceWeightPool
 
-# retarget_device runs on the Dynamo graph itself (before AOTAutograd), see megatrain_backend.
+# fused_kernels and retarget_device run on the Dynamo graph itself (before AOTAutograd), see
+# megatrain_backend.
 JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
                     schedule, memory_plan]
@@ -90,6 +92,7 @@ class Program:
             recompute_head=self.options.recompute_head,
             recompute=self.options.recompute,
             routed_experts=self.options.routed_experts,
+            kernels=self.options.kernel_backend,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,
@@ -188,10 +191,14 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     capture, params = capture_inputs(gm, example_inputs)
     program = Program(capture, params, opts)
     trace_inputs = example_inputs
+    # fused_kernels is a no-op unless the kernels resolve to Triton; retarget_device when the
+    # device is the CPU. Off the CPU, forward/backward are traced as they will run: device
+    # constants and fake inputs on the accelerator, so AOTAutograd selects its kernels (the host
+    # copy stays the source).
+    ctx = program.context("dynamo")
+    gm = run_pipeline(gm, [fused_kernels, retarget_device], ctx)
+    program.pass_records["dynamo"] = ctx.records
     if opts.torch_device.type != "cpu":
-        # Trace forward/backward as they will run: device constants and fake inputs on the
-        # accelerator, so AOTAutograd selects its kernels (the host copy stays the source).
-        gm = run_pipeline(gm, [retarget_device], program.context("dynamo"))
         trace_inputs = fake_inputs_on(gm, example_inputs, opts.torch_device)
     # Lower the backward right away (not at the first backward call): errors such as a budget
     # that cannot fit surface before any training work, and the step's plan is complete.

@@ -64,6 +64,10 @@ class Options:
     #: backward), and only their gradients back. Exact. Costs one device-to-host read of the
     #: routing per MoE layer; pays off when batches leave experts idle.
     routed_experts: bool = False
+    #: Fused Triton kernels for RMSNorm and SwiGLU (passes/fused_kernels.py): "triton" always,
+    #: "none" never, "auto" on CUDA when triton is installed. On the CPU "triton" needs
+    #: TRITON_INTERPRET=1 (Triton's interpreter, for tests); without it the ops run torch math.
+    kernels: str = "auto"
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.
@@ -101,6 +105,9 @@ class Options:
             if not isinstance(self.hardware, Hardware) and self.hardware not in NAMES and not Path(self.hardware).is_file():
                 raise ConfigError(f"option hardware={self.hardware!r}: use one of {', '.join(NAMES)} "
                                   "or the path of a JSON hardware profile.")
+        if self.kernels not in ("auto", "triton", "none"):
+            raise ConfigError(f"option kernels={self.kernels!r}: use 'auto' (Triton kernels on CUDA), 'triton' or "
+                              "'none'.")
         if self.recompute not in ("layer", "selective"):
             raise ConfigError(f"option recompute={self.recompute!r}: use 'layer' (least memory) or 'selective' "
                               "(keep matmul/attention outputs, recompute only elementwise ops).")
@@ -124,6 +131,19 @@ class Options:
             gpu = torch.cuda.get_device_name(self.torch_device).lower()
             return next((hw for name, hw in BUILTIN.items() if name in gpu), None)
         return None
+
+    @property
+    def kernel_backend(self) -> str:
+        """"triton" or "none": what `kernels` resolves to on this device."""
+        if self.kernels != "auto":
+            return self.kernels
+        if self.torch_device.type != "cuda":
+            return "none"
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "none"
+        return "triton"
 
     @property
     def torch_device(self) -> torch.device:

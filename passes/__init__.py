@@ -48,6 +48,7 @@ class PassContext:
     recompute: str = "layer"            # "layer": recompute whole layers; "selective": keep costly ops
     selective_bytes: int | None = None  # extra bytes selective recompute may keep (None: no limit)
     routed_experts: bool = False        # fetch only the experts the router picked (MoE)
+    kernels: str = "none"               # "triton": fused kernels replace RMSNorm / SwiGLU (fused_kernels)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

@@ -105,54 +105,71 @@ def _num_programs(device: torch.device, row_blocks: int) -> int:
     return max(1, min(row_blocks, cap))
 
 
+def rmsnorm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+                    cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, rstd): the normalised output and the per-row fp32 rstd the backward needs."""
+    shape = x.shape
+    n_cols = shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim {n_cols}")
+    x2 = x.reshape(-1, n_cols).contiguous()
+    weight = weight.contiguous()
+    n_rows = x2.shape[0]
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_before_weight else x.dtype
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_m, block_n, num_warps = _blocks(n_cols)
+    if n_rows > 0:
+        _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), float(eps),
+            float(offset), CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+            EMULATE_RTNE=emulate_rtne(x.device), BLOCK_M=block_m,
+            BLOCK_N=block_n, num_warps=num_warps)
+    return y.reshape(shape), rstd.reshape(shape[:-1])
+
+
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: float,
+                     cast_before_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) from the output gradient, the input, the weight and the forward's rstd."""
+    shape = x.shape
+    n_cols = shape[-1]
+    x2 = x.reshape(-1, n_cols).contiguous()
+    rstd = rstd.reshape(-1).contiguous()
+    weight = weight.contiguous()
+    n_rows = x2.shape[0]
+    dy2 = dy.reshape(-1, n_cols).contiguous()
+    dx = torch.empty_like(x2)
+    block_m, block_n, num_warps = _blocks(n_cols)
+    row_blocks = triton.cdiv(n_rows, block_m)
+    programs = _num_programs(x2.device, row_blocks)
+    rows_per_program = triton.cdiv(row_blocks, programs) * block_m
+    programs = triton.cdiv(n_rows, rows_per_program) if n_rows else 0
+    partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x2.device)
+    if programs:
+        _rmsnorm_bwd_kernel[(programs,)](
+            dy2, x2, weight, rstd, dx, partial, n_rows, n_cols, dy2.stride(0), x2.stride(0),
+            dx.stride(0), float(offset), rows_per_program,
+            CAST_BEFORE_WEIGHT=bool(cast_before_weight),
+            EMULATE_RTNE=emulate_rtne(x2.device), BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps)
+    return dx.reshape(shape), partial.sum(0).to(weight.dtype)
+
+
 class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, cast_before_weight):
-        shape = x.shape
-        n_cols = shape[-1]
-        if weight.shape != (n_cols,):
-            raise ValueError(f"weight shape {tuple(weight.shape)} does not match last dim {n_cols}")
-        x2 = x.reshape(-1, n_cols).contiguous()
-        weight = weight.contiguous()
-        n_rows = x2.shape[0]
-        out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_before_weight else x.dtype
-        y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        block_m, block_n, num_warps = _blocks(n_cols)
-        if n_rows > 0:
-            _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
-                x2, weight, y, rstd, n_rows, n_cols, x2.stride(0), y.stride(0), float(eps),
-                float(offset), CAST_BEFORE_WEIGHT=bool(cast_before_weight),
-                EMULATE_RTNE=emulate_rtne(x.device), BLOCK_M=block_m,
-                BLOCK_N=block_n, num_warps=num_warps)
-        ctx.save_for_backward(x2, weight, rstd)
+        y, rstd = rmsnorm_forward(x, weight, eps, offset, cast_before_weight)
+        ctx.save_for_backward(x, weight, rstd)
         ctx.offset = float(offset)
         ctx.cast_before_weight = bool(cast_before_weight)
-        ctx.shape = shape
-        return y.reshape(shape)
+        return y
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.reshape(-1, n_cols).contiguous()
-        dx = torch.empty_like(x2)
-        block_m, block_n, num_warps = _blocks(n_cols)
-        row_blocks = triton.cdiv(n_rows, block_m)
-        programs = _num_programs(x2.device, row_blocks)
-        rows_per_program = triton.cdiv(row_blocks, programs) * block_m
-        programs = triton.cdiv(n_rows, rows_per_program) if n_rows else 0
-        partial = torch.zeros((max(programs, 1), n_cols), dtype=torch.float32, device=x2.device)
-        if programs:
-            _rmsnorm_bwd_kernel[(programs,)](
-                dy2, x2, weight, rstd, dx, partial, n_rows, n_cols, dy2.stride(0), x2.stride(0),
-                dx.stride(0), ctx.offset, rows_per_program,
-                CAST_BEFORE_WEIGHT=ctx.cast_before_weight,
-                EMULATE_RTNE=emulate_rtne(x2.device), BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps)
-        dweight = partial.sum(0).to(weight.dtype)
-        return dx.reshape(ctx.shape), dweight, None, None, None
+        x, weight, rstd = ctx.saved_tensors
+        dx, dweight = rmsnorm_backward(dy, x, weight, rstd, ctx.offset, ctx.cast_before_weight)
+        return dx, dweight, None, None, None
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0,

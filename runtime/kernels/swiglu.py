@@ -53,34 +53,41 @@ def _swiglu_bwd_kernel(DO, G, U, DG, DU, n_elements, EMULATE_RTNE: tl.constexpr,
     tl.store(DU + offs, to_dtype(du, DU.dtype.element_ty, EMULATE_RTNE), mask=mask)
 
 
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gate {tuple(gate.shape)}/{gate.dtype} and up {tuple(up.shape)}/{up.dtype} "
+                         "must have the same shape and dtype")
+    gate_c, up_c = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate_c)
+    n = gate_c.numel()
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate_c, up_c, out, n, EMULATE_RTNE=emulate_rtne(out.device),
+                                                    BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def swiglu_backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_c, up_c, dout = gate.contiguous(), up.contiguous(), dout.contiguous()
+    dgate, dup = torch.empty_like(gate_c), torch.empty_like(up_c)
+    n = gate_c.numel()
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dout, gate_c, up_c, dgate, dup, n,
+                                                     EMULATE_RTNE=emulate_rtne(dout.device), BLOCK=BLOCK, num_warps=4)
+    return dgate, dup
+
+
 class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError(f"gate {tuple(gate.shape)}/{gate.dtype} and up {tuple(up.shape)}/{up.dtype} "
-                             "must have the same shape and dtype")
-        gate_c, up_c = gate.contiguous(), up.contiguous()
-        out = torch.empty_like(gate_c)
-        n = gate_c.numel()
-        if n:
-            _swiglu_fwd_kernel[(triton.cdiv(n, BLOCK),)](gate_c, up_c, out, n,
-                                                        EMULATE_RTNE=emulate_rtne(out.device),
-                                                        BLOCK=BLOCK, num_warps=4)
-        ctx.save_for_backward(gate_c, up_c)
+        out = swiglu_forward(gate, up)
+        ctx.save_for_backward(gate, up)
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        gate_c, up_c = ctx.saved_tensors
-        dout = dout.contiguous()
-        dgate, dup = torch.empty_like(gate_c), torch.empty_like(up_c)
-        n = gate_c.numel()
-        if n:
-            _swiglu_bwd_kernel[(triton.cdiv(n, BLOCK),)](dout, gate_c, up_c, dgate, dup, n,
-                                                         EMULATE_RTNE=emulate_rtne(dout.device),
-                                                         BLOCK=BLOCK, num_warps=4)
-        return dgate, dup
+        gate, up = ctx.saved_tensors
+        return swiglu_backward(dout, gate, up)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
