@@ -130,6 +130,10 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()
+    from . import output_hooks
+    output_hooks.register()   # (reset drops Dynamo's callbacks; a later real compile needs this one)
+    output_hooks.install_requested_hooks(model)   # router logits etc. asked by the config (this backend
+                                                  # is not "megatrain", which the callback looks for)
     compiled = torch.compile(model, backend=capture)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     compiled(input_ids=ids, labels=ids, use_cache=False, **text_positions(model, batch, seq))

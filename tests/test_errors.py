@@ -198,3 +198,16 @@ def test_a_break_site_is_never_an_earlier_models():
         cmodel(input_ids=ids, labels=ids, use_cache=False, output_router_logits=True)
     reason, site, place = _break_site(tiny_model("llama", layers=2))
     assert (site, place) == ("", "") and "several graphs" in reason
+
+
+def test_router_aux_loss_compiles_after_a_plan_in_the_same_process():
+    """`megatrain train` plans first (which resets Dynamo): the router-logit hooks are still
+    installed before the real compile traces the model."""
+    from megacompile.plan import plan_model
+    from megacompile.hardware import BUILTIN
+    model = _moe_with_router_logits(in_config=True)
+    plan_model(model.config, hardware=BUILTIN["h100"], seq=16, batch=1, max_batch=1, host_ram=2**40)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ids = torch.randint(0, 128, (2, 8))
+    out = cmodel(input_ids=ids, labels=ids, use_cache=False)
+    assert out.aux_loss is not None and megacompile.stats(cmodel)["compiled_graphs"] == 1
