@@ -281,10 +281,8 @@ def _truncate_config(config, num_layers: int | None):
         return config
     if not isinstance(num_layers, int) or not 1 <= num_layers <= total:
         raise ValueError(f"num_layers must be an integer in [1, {total}], got {num_layers!r}.")
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None) is not None:  # hybrid configs list one type per layer
-        config.layer_types = list(config.layer_types)[:num_layers]
-    return config
+    from .presets import keep_layers
+    return keep_layers(config, num_layers)
 
 
 def _build_model(config, state_dict: dict, torch_dtype: torch.dtype):

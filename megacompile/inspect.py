@@ -91,13 +91,11 @@ def build_model_from_config(config, layers: int | None, dtype: torch.dtype):
     import copy
 
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from .presets import keep_layers
     config = copy.deepcopy(config)
-    text = config.get_text_config(decoder=True)
     if layers is not None:
-        text.num_hidden_layers = layers
-        if getattr(text, "layer_types", None):
-            text.layer_types = text.layer_types[:layers]
-    config.use_cache = text.use_cache = False
+        keep_layers(config, layers)
+    config.use_cache = config.get_text_config(decoder=True).use_cache = False
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):  # fused attention, as the real kernels (see meta_attention.py)
         model = auto.from_config(config, dtype=dtype, attn_implementation=meta_attention.register())

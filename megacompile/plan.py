@@ -284,9 +284,9 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     vlm = is_vlm(model)
     vision_bytes = vision_device_bytes(model, vision)
     params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in store_parameters(model) if p.requires_grad)
-    if vision == "train":
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    # what an optimizer updates: the store's weights, and a trained vision tower's
+    updated = model.parameters() if vision == "train" else store_parameters(model)
+    trainable = sum(p.numel() for p in updated if p.requires_grad)
     _, kinds = layer_kinds(model, config)
     del model
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)

@@ -149,6 +149,16 @@ HUB_IDS = {
 }
 
 
+def keep_layers(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
+    """Keep the first `num_layers` decoder layers of `config` (in place; a VLM's language stack):
+    the layer count and, for hybrid models, their per-layer types."""
+    text = config.get_text_config(decoder=True)
+    text.num_hidden_layers = num_layers
+    if getattr(text, "layer_types", None) is not None:   # hybrid configs list one type per layer
+        text.layer_types = list(text.layer_types)[:num_layers]
+    return config
+
+
 def load_config(source: str | PretrainedConfig) -> PretrainedConfig:
     """A preset name or Hub id of one, a `config.json` path, a model directory holding one, or a
     config object (a copy of it)."""

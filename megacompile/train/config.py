@@ -21,6 +21,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..options import Options
+from ..vlm import VISION_MODES
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
 STAGES = ("sft", "pt")
@@ -94,7 +95,7 @@ class TrainConfig:
         need(self.torch_dtype in DTYPES, f"torch_dtype={self.torch_dtype!r}: use one of {', '.join(DTYPES)}.")
         need(self.lr_scheduler_type in SCHEDULERS,
              f"lr_scheduler_type={self.lr_scheduler_type!r}: use one of {', '.join(SCHEDULERS)}.")
-        need(self.vision in ("frozen", "train"), f"vision={self.vision!r}: use frozen or train.")
+        need(self.vision in VISION_MODES, f"vision={self.vision!r}: use one of {', '.join(VISION_MODES)}.")
         need(self.report_to in REPORTS, f"report_to={self.report_to!r}: use one of {', '.join(REPORTS)}.")
         need(self.cutoff_len >= 2, f"cutoff_len={self.cutoff_len}: needs at least 2 tokens.")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):

@@ -21,6 +21,7 @@ from ..errors import ConfigError, MegatrainError
 from ..hardware import host_memory_bytes
 from .. import vlm
 from ..options import Options
+from ..presets import keep_layers
 from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
 from . import checkpoint
@@ -69,10 +70,7 @@ def load_model(config: TrainConfig, device: torch.device):
         except OSError as e:
             raise ConfigError(f"model_name_or_path={source!r}: {str(e).splitlines()[0]}") from None
         if config.num_layers:
-            text = hf_config.get_text_config(decoder=True)
-            text.num_hidden_layers = config.num_layers
-            if getattr(text, "layer_types", None):
-                text.layer_types = text.layer_types[:config.num_layers]
+            keep_layers(hf_config, config.num_layers)
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto.from_pretrained(source, config=hf_config, trust_remote_code=remote,
                                      dtype=_dtype(config, device, getattr(hf_config, "dtype", None)))
@@ -89,7 +87,6 @@ _ATTENTION_LAYERS = {"full_attention", "sliding_attention", "chunked_attention"}
 def check_packing(model) -> None:
     """Packing relies on a block-diagonal attention mask; a recurrent or linear-attention layer
     would carry its state from one packed sample into the next."""
-    from ..vlm import is_vlm
     if is_vlm(model):
         raise ConfigError(f"packing: true with the vision-language model {model.config.model_type}: its "
                           "positions are computed per sample (3-D for Qwen-VL). Set packing: false.")
@@ -128,8 +125,7 @@ def _hardware(config: TrainConfig, device: torch.device, dtype: torch.dtype):
         return load_hardware(spec, dtype)
     if device.type == "cpu":   # memory figures only: rooflines instead of timing every body
         return dataclasses.replace(load_hardware("cpu", dtype), measure_ops=False)
-    name = torch.cuda.get_device_name(device).lower()
-    profile = next((hw for key, hw in BUILTIN.items() if key in name), BUILTIN["h100"])
+    profile = Options.from_mapping(config.megatrain).hardware_profile() or BUILTIN["h100"]
     free, _ = torch.cuda.mem_get_info(device)
     return dataclasses.replace(profile, device_memory_gib=free / 2**30)
 
