@@ -30,6 +30,7 @@ from .options import Options
 from .passes import PassContext, run_pipeline
 from .passes.dedupe_bodies import dedupe_bodies
 from .passes.fused_kernels import fused_kernels
+from .passes.fused_lm_loss import fused_lm_loss
 from .passes.layer_regions import layer_regions
 from .passes.memory_plan import check_budget, memory_plan
 from .passes.recompute_boundaries import recompute_boundaries
@@ -42,10 +43,11 @@ from .passes.tag_weights import tag_weights
 from .passes.unshare_weight_views import unshare_weight_views
 from .runtime import store
 from .runtime.executor import DirectionRunner
+from .runtime.grad_offload import GradOffloader
 from .runtime.weight_pool import DeviceWeightPool
 
-# fused_kernels and retarget_device run on the Dynamo graph itself (before AOTAutograd), see
-# megatrain_backend.
+# These run on the Dynamo graph itself (torch-level ops, before AOTAutograd), see megatrain_backend.
+DYNAMO_PASSES = [fused_kernels, fused_lm_loss, retarget_device]
 JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
                     schedule, memory_plan]
@@ -66,6 +68,7 @@ class Program:
         names = {inp.index: inp.name for inp in capture.inputs}
         self.entries = store.register(params, names, pin=device.type == "cuda")
         self.pool = DeviceWeightPool(device, options.slots)
+        self.grads = GradOffloader(device, overlap=options.overlap_grads)
         self.hardware = options.hardware_profile()
         self.runners: dict[str, DirectionRunner] = {}
         self.pass_records: dict[str, list] = {}
@@ -93,6 +96,7 @@ class Program:
             recompute=self.options.recompute,
             routed_experts=self.options.routed_experts,
             kernels=self.options.kernel_backend,
+            logits=self.options.logits,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,
@@ -191,12 +195,12 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     capture, params = capture_inputs(gm, example_inputs)
     program = Program(capture, params, opts)
     trace_inputs = example_inputs
-    # fused_kernels is a no-op unless the kernels resolve to Triton; retarget_device when the
-    # device is the CPU. Off the CPU, forward/backward are traced as they will run: device
+    # fused_kernels is a no-op unless the kernels resolve to Triton, fused_lm_loss unless
+    # logits="drop", retarget_device when the device is the CPU. Off the CPU, forward/backward are traced as they will run: device
     # constants and fake inputs on the accelerator, so AOTAutograd selects its kernels (the host
     # copy stays the source).
     ctx = program.context("dynamo")
-    gm = run_pipeline(gm, [fused_kernels, retarget_device], ctx)
+    gm = run_pipeline(gm, DYNAMO_PASSES, ctx)
     program.pass_records["dynamo"] = ctx.records
     if opts.torch_device.type != "cpu":
         trace_inputs = fake_inputs_on(gm, example_inputs, opts.torch_device)

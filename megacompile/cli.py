@@ -15,7 +15,7 @@ def _inspect(args) -> int:
     from .inspect import inspect_model, to_chrome_trace, to_json, to_svg, to_text
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
-                           options={"recompute": args.recompute})
+                           options={"recompute": args.recompute, "logits": args.logits})
     if args.format == "json":
         text = to_json(report)
     elif args.format == "chrome-trace":
@@ -45,6 +45,7 @@ def _plan(args) -> int:
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
     host_ram = parse_bytes(args.host_ram) if args.host_ram is not None else None
     model, seq, slots, recompute, vision = args.model, args.seq, args.slots, args.recompute, args.vision
+    logits = args.logits
     if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots
         from .train.config import load_config
         cfg = load_config(model)
@@ -52,9 +53,10 @@ def _plan(args) -> int:
         seq = seq or cfg.cutoff_len
         slots = cfg.megatrain.get("slots", slots)
         recompute = cfg.megatrain.get("recompute", recompute)
+        logits = cfg.megatrain.get("logits", logits)
         vision = cfg.vision
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
-                      slots=slots, dtype=dtype, options={"recompute": recompute}, vision=vision)
+                      slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision)
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     i.add_argument("--recompute", default="layer", choices=["layer", "selective"],
                    help="layer: recompute whole layers; selective: keep matmul/attention outputs")
+    i.add_argument("--logits", default="drop", choices=["drop", "keep"],
+                   help="drop (default, as megatrain train): LM head and loss fused, no [tokens, vocab] logits; "
+                        "keep: the logits are computed and returned (torch.compile's default)")
     i.add_argument("--gpu", default="h200", help="hardware profile for time estimates: a built-in name or a JSON file")
     i.add_argument("--show", default="schedule", choices=["graphs", "passes", "schedule", "memory"])
     i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
@@ -110,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     pl.add_argument("--recompute", default="layer", choices=["layer", "selective"],
                     help="layer: recompute whole layers (least memory); selective: keep matmul/attention outputs")
+    pl.add_argument("--logits", default="drop", choices=["drop", "keep"],
+                    help="drop (default, as megatrain train): LM head and loss fused, no [tokens, vocab] logits; "
+                        "keep: the logits are computed and returned (torch.compile's default)")
     pl.add_argument("--vision", default="frozen", choices=["frozen", "train"],
                     help="a vision-language model's vision tower: frozen (default) or trained (on the device)")
     pl.add_argument("--format", default="text", choices=["text", "json"])

@@ -68,6 +68,15 @@ class Options:
     #: "none" never, "auto" on CUDA when triton is installed. On the CPU "triton" needs
     #: TRITON_INTERPRET=1 (Triton's interpreter, for tests); without it the ops run torch math.
     kernels: str = "auto"
+    #: "keep": the compiled model returns its logits, as eager does. "drop": when the model
+    #: computes its loss (called with `labels`), the LM head and the cross entropy run as one
+    #: chunked op that never materialises the [tokens, vocab] logits (passes/fused_lm_loss.py),
+    #: and the output's `logits` is None. `megatrain train` uses "drop".
+    logits: str = "keep"
+    #: Move each segment's gradients to the host and add them into `param.grad` off the compute
+    #: path (D2H stream + one host thread, runtime/grad_offload.py), overlapping the next
+    #: segment's backward. Exact either way; False does it synchronously (for bisecting).
+    overlap_grads: bool = True
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.
@@ -108,6 +117,9 @@ class Options:
         if self.kernels not in ("auto", "triton", "none"):
             raise ConfigError(f"option kernels={self.kernels!r}: use 'auto' (Triton kernels on CUDA), 'triton' or "
                               "'none'.")
+        if self.logits not in ("keep", "drop"):
+            raise ConfigError(f"option logits={self.logits!r}: use 'keep' (return the logits) or 'drop' (fused LM "
+                              "head + loss, logits=None in the output).")
         if self.recompute not in ("layer", "selective"):
             raise ConfigError(f"option recompute={self.recompute!r}: use 'layer' (least memory) or 'selective' "
                               "(keep matmul/attention outputs, recompute only elementwise ops).")

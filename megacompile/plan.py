@@ -272,8 +272,10 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
                max_batch: int = 4096, options: dict | None = None, vision: str = "frozen") -> Plan:
     """Plan training `source` (preset, config.json, model directory or a transformers config) on
-    `hardware`. For a VLM,
-    `vision` says whether its vision tower is frozen or trained (megacompile/vlm.py)."""
+    `hardware`, with megatrain compile `options` (default as `megatrain train` compiles: the
+    loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
+    tower is frozen or trained (megacompile/vlm.py)."""
+    options = {"logits": "drop", **(options or {})}
     from .inspect import build_meta_model
     from .vlm import VISION_MODES, is_vlm
     if vision not in VISION_MODES:

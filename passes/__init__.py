@@ -49,6 +49,7 @@ class PassContext:
     selective_bytes: int | None = None  # extra bytes selective recompute may keep (None: no limit)
     routed_experts: bool = False        # fetch only the experts the router picked (MoE)
     kernels: str = "none"               # "triton": fused kernels replace RMSNorm / SwiGLU (fused_kernels)
+    logits: str = "keep"                # "drop": LM head + loss fused, no logits returned (fused_lm_loss)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

@@ -48,8 +48,22 @@ def value_bytes(val) -> int:
     return sum(_tensor_bytes(v) for v in vals if isinstance(v, torch.Tensor))
 
 
-def body_transient_bytes(body: fx.GraphModule) -> int:
-    """Peak bytes of a body's intermediates; views and getitems alias their producer."""
+def _workspace(n: fx.Node, triton: bool) -> int:
+    """Bytes an op allocates internally beyond its outputs (our fused ops; 0 for aten ops)."""
+    if n.op == "call_function" and getattr(n.target, "name", lambda: "")() == "megatrain::linear_cross_entropy":
+        from ..runtime.kernels.ops import linear_cross_entropy_workspace, triton_runs
+        hidden, weight = (a.meta.get("val") for a in n.args[:2])
+        if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor):
+            vocab, n_hidden = (dim_hint(d) for d in weight.shape)
+            n_rows = math.prod(dim_hint(d) for d in hidden.shape) // max(1, n_hidden)
+            return linear_cross_entropy_workspace(n_rows, vocab, n_hidden, hidden.dtype,
+                                                  triton or triton_runs(hidden), bool(n.args[6]))
+    return 0
+
+
+def body_transient_bytes(body: fx.GraphModule, triton: bool = False) -> int:
+    """Peak bytes of a body's intermediates (and fused ops' workspaces, with `triton` as on a
+    GPU); views and getitems alias their producer."""
     def size(n: fx.Node) -> int:
         if n.target is operator.getitem or n.target in _ALIASING or getattr(n.target, "is_view", False):
             return 0
@@ -62,7 +76,7 @@ def body_transient_bytes(body: fx.GraphModule) -> int:
         if n.op in ("call_function", "call_method", "call_module"):
             sizes[n] = size(n)
             live += sizes[n]
-            peak = max(peak, live)
+            peak = max(peak, live + _workspace(n, triton))
         for a in n.all_input_nodes:
             if last.get(a) == i and a in sizes:
                 live -= sizes.pop(a)
@@ -108,10 +122,12 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = gm.meta[SCHEDULE]
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]
     transient = {}
+    # fused ops' workspaces as they run on a GPU (Triton), also when planning one from here
+    triton = getattr(ctx.device, "type", None) == "cuda" or getattr(ctx.hardware, "name", "cpu") != "cpu"
     for n in calls:
         name = n.meta.get(BODY, n.target)
         if name not in transient:
-            transient[name] = body_transient_bytes(gm.get_submodule(name))
+            transient[name] = body_transient_bytes(gm.get_submodule(name), triton)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     offloaded = {name for seg in schedule.segments for _, name in seg.grads}
     last_use: dict[str, float] = {}

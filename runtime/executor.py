@@ -3,8 +3,9 @@
 The top-level graph from `passes/split_segments.py` says which values flow between segments;
 the schedule from `passes/schedule.py` says when weights move. The executor binds weight inputs
 to device views from the pool (never to the host parameters), frees every value right after its
-last use, delivers gradients to the host as soon as a segment finalises them, and keeps the
-byte accounting that `megacompile.stats` reports.
+last use, sends gradients to the host as soon as a segment finalises them (runtime/
+grad_offload.py: overlapping the next segment; all in `param.grad` when the backward returns),
+and keeps the byte accounting that `megacompile.stats` reports.
 """
 from __future__ import annotations
 
@@ -145,10 +146,13 @@ class DirectionRunner:
                     if name not in self.last_use and name not in self.offloaded:
                         env.pop(name, None)
             elif step.op == "grad_offload":
+                items = []
                 for index, name in seg.grads:
                     grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
-                    grads_bytes += entries[index].accumulate_grad(
-                        grad, pool.routed_rows.get(index) if index in seg.routed else None)
+                    items.append((entries[index], grad, pool.routed_rows.get(index) if index in seg.routed else None))
+                grads_bytes += program.grads.offload(items)
+        if self.direction == "backward":
+            program.grads.drain()   # backward() returns with every gradient in param.grad
         result = []
         for spec in self.output_spec:
             if spec is None or not isinstance(spec, str):

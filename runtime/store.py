@@ -63,19 +63,31 @@ class WeightEntry:
 
     def accumulate_grad(self, grad: torch.Tensor, rows: list[int] | None = None) -> int:
         """Deliver a device gradient to `param.grad` on the host as fp32; returns bytes moved.
-        With `rows` (routed experts), only those rows of dim 0 move: the others are zero."""
+        With `rows` (routed experts), only those rows of dim 0 move: the others are zero.
+        (Synchronous: `stage` then `add_host_grad`; runtime/grad_offload.py splits the two.)"""
+        host, moved = self.stage_grad(grad, rows)
+        self.add_host_grad(host, rows)
+        return moved
+
+    def stage_grad(self, grad: torch.Tensor, rows: list[int] | None = None,
+                   non_blocking: bool = False) -> tuple[torch.Tensor, int]:
+        """Start moving a device gradient (or its `rows`) to the host: (host tensor, bytes).
+        With `non_blocking` on CUDA the host tensor is pinned and valid once the current stream
+        has passed the copy."""
+        if rows is not None:
+            grad = grad[torch.tensor(rows, dtype=torch.long, device=grad.device)]
+        host = grad if grad.device.type == "cpu" else grad.to("cpu", non_blocking=non_blocking)
+        return host, grad.numel() * grad.element_size()
+
+    def add_host_grad(self, host: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Add a host gradient (all rows, or `rows` of dim 0) into `param.grad` as fp32."""
         p = self.param
         self.wait_ready()   # (the optimizer may still read the previous step's gradient)
         want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
-        if rows is None:
-            moved = grad.numel() * grad.element_size()
-            host = grad.to("cpu", non_blocking=False)
-        else:
-            index = torch.tensor(rows, dtype=torch.long)
-            part = grad[index.to(grad.device)].to("cpu", non_blocking=False)
-            moved = part.numel() * part.element_size()
-            host = torch.zeros(grad.shape, dtype=want)
-            host[index] = part.to(want)
+        if rows is not None:
+            full = torch.zeros(p.shape, dtype=want)
+            full[torch.tensor(rows, dtype=torch.long)] = host.to(want)
+            host = full
         if host.dtype != want:
             host = host.to(want)
         if p.grad is not None:
@@ -90,7 +102,6 @@ class WeightEntry:
             p.data = self.master
             p.grad = host.contiguous()
             p.data = transfer
-        return moved
 
     # optimizer hooks ---------------------------------------------------------------
     def to_master(self) -> None:

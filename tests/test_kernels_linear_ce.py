@@ -146,3 +146,23 @@ def test_linear_ce_large(dtype, n, h, v, chunk):
     hidden, weight, labels = _inputs(n, h, v, dtype, 16, 0.25)
     _check(hidden, weight, labels, "mean", dtype, chunk_size=chunk)
     _check(hidden, weight, labels, "sum", dtype, 0.5, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_custom_op_runs_the_kernel(dtype, monkeypatch):
+    """torch.ops.megatrain.linear_cross_entropy (what passes/fused_lm_loss.py puts in graphs)
+    runs this kernel where Triton runs, and its autograd scales the saved gradients."""
+    from megacompile.runtime.kernels import linear_cross_entropy as module
+    from megacompile.runtime.kernels import ops  # noqa: F401
+    calls = []
+    kernel = module._loss_and_grad_chunk
+    monkeypatch.setattr(module, "_loss_and_grad_chunk", lambda *a: calls.append(1) or kernel(*a))
+    hidden, weight, labels = _inputs(19, 24, 200, dtype, seed=3, ignore_frac=0.3, shape=(1, 19))
+    loss, _, _ = torch.ops.megatrain.linear_cross_entropy(hidden, weight, labels, -100, "mean", True, True)
+    ref = linear_cross_entropy_reference(hidden, weight, labels)
+    torch.testing.assert_close(loss, ref, rtol=LOSS_RTOL[dtype], atol=LOSS_RTOL[dtype])
+    dh, dw = torch.autograd.grad(loss * 3, (hidden, weight))
+    dh_ref, dw_ref = torch.autograd.grad(ref * 3, (hidden, weight))
+    assert calls
+    assert_matches(dh, dh_ref, dtype, "d_hidden")
+    assert_matches(dw, dw_ref, dtype, "d_weight")

@@ -137,7 +137,7 @@ def plan_check(model, config: TrainConfig, device: torch.device) -> str:
     from ..plan import _fmt, plan_model
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size
-    options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head")}
+    options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head", "logits")}
     plan = plan_model(model.config, hardware=_hardware(config, device, dtype), seq=config.cutoff_len, batch=batch,
                       slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
                       vision=config.vision)
@@ -248,7 +248,8 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
                           f"gradient_accumulation_steps={accum}: lower them or add data.")
     total = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
 
-    compile_options = dict(config.megatrain)
+    # the trainer reads only the loss: the LM head and the loss run fused, no [tokens, vocab] logits
+    compile_options = {"logits": "drop", **config.megatrain}
     if device.type == "cuda" and compile_options.get("device_budget") is None:
         # the device half of the preflight: the backend plans the step's peak before any training
         # work and refuses a schedule that does not fit in the free device memory

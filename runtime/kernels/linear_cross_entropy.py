@@ -34,9 +34,8 @@ import triton
 import triton.language as tl
 
 from ._common import add, emulate_rtne, maximum, to_dtype
+from .chunked_ce import DEFAULT_CHUNK_BYTES, IGNORE_INDEX, loss_and_grads
 
-IGNORE_INDEX = -100
-DEFAULT_CHUNK_BYTES = 256 * 2**20
 # Vocabulary block off-GPU (Triton interpreter): small, so that tests with a few hundred classes
 # already run the multi-block online logsumexp.
 INTERPRETER_BLOCK_V = 128
@@ -96,6 +95,7 @@ def _kernel_config(device: torch.device, n_cols: int) -> tuple[int, int, int]:
 
 def _loss_and_grad_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor,
                          scale: torch.Tensor, ignore_index: int) -> None:
+    """The Triton `chunk_fn` of chunked_ce.loss_and_grads."""
     n_rows, n_cols = logits.shape
     block_m, block_v, num_warps = _kernel_config(logits.device, n_cols)
     _ce_loss_grad_kernel[(triton.cdiv(n_rows, block_m),)](
@@ -104,64 +104,13 @@ def _loss_and_grad_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: 
         num_warps=num_warps)
 
 
-def _chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None,
-                chunk_bytes: int) -> int:
-    if chunk_size is None:
-        chunk_size = chunk_bytes // max(1, vocab * itemsize)
-    return max(1, min(int(chunk_size), max(n_rows, 1)))
-
-
 class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, reduction, chunk_size, chunk_bytes, ignore_index,
                 compute_grads):
-        if reduction not in ("sum", "mean"):
-            raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
-        if hidden.dtype != weight.dtype:
-            raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
-        n_hidden = hidden.shape[-1]
-        vocab = weight.shape[0]
-        if weight.dim() != 2 or weight.shape[1] != n_hidden:
-            raise ValueError(f"weight must be [V, {n_hidden}], got {tuple(weight.shape)}")
-        h2 = hidden.reshape(-1, n_hidden).contiguous()
-        n_rows = h2.shape[0]
-        labels = labels.reshape(-1).to(device=h2.device, dtype=torch.int64).contiguous()
-        if labels.shape[0] != n_rows:
-            raise ValueError(f"{labels.shape[0]} labels for {n_rows} hidden rows")
-        need_h = compute_grads and ctx.needs_input_grad[0]
-        need_w = compute_grads and ctx.needs_input_grad[1]
-
-        n_valid = (labels != ignore_index).sum().to(torch.float32)
-        scale = (torch.ones((), dtype=torch.float32, device=h2.device) if reduction == "sum"
-                 else 1.0 / n_valid)
-        loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
-        grad_hidden = torch.empty_like(h2) if need_h else None
-        grad_weight = (torch.zeros((vocab, n_hidden), dtype=torch.float32, device=h2.device)
-                       if need_w else None)
-
-        rows = _chunk_rows(n_rows, vocab, h2.element_size(), chunk_size, chunk_bytes)
-        w_t = weight.t()
-        for start in range(0, n_rows, rows):
-            end = min(start + rows, n_rows)
-            h_chunk = h2[start:end]
-            logits = torch.matmul(h_chunk, w_t)  # [chunk, V], overwritten with its gradient
-            _loss_and_grad_chunk(logits, labels[start:end], loss_rows[start:end], scale, ignore_index)
-            if need_h:
-                torch.matmul(logits, weight, out=grad_hidden[start:end])
-            if need_w:
-                if logits.dtype == torch.float32:
-                    grad_weight.addmm_(logits.t(), h_chunk)
-                else:
-                    grad_weight.add_(torch.matmul(logits.t(), h_chunk))
-            del logits
-
-        loss = loss_rows.sum()
-        if reduction == "mean":
-            loss = loss / n_valid
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.reshape(hidden.shape)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
+        loss, grad_hidden, grad_weight = loss_and_grads(
+            hidden, weight, labels, reduction, ignore_index, compute_grads and ctx.needs_input_grad[0],
+            compute_grads and ctx.needs_input_grad[1], _loss_and_grad_chunk, chunk_size, chunk_bytes)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 

@@ -4,6 +4,8 @@
     megatrain::rms_norm_backward(dy, x, weight, rstd, offset, cast_before_weight) -> (dx, dweight)
     megatrain::swiglu(gate, up) -> out
     megatrain::swiglu_backward(dout, gate, up) -> (dgate, dup)
+    megatrain::linear_cross_entropy(hidden, weight, labels, ignore_index, reduction,
+                                    grad_hidden, grad_weight) -> (loss, dhidden, dweight)
 
 AOTAutograd traces a custom op as one node (shapes from its fake implementation, which like the kernels returns contiguous tensors) and its
 registered backward as the backward op's node, so megatrain's passes place both in layer
@@ -128,3 +130,57 @@ def _swiglu_backward(ctx, dout):
 
 
 swiglu.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+# -- LM head + cross entropy ----------------------------------------------------------------
+# One op computes the loss AND its gradients ("gradient in the forward", chunked_ce.py): the
+# gradients are extra outputs that only the backward reads (scaled by the loss's incoming
+# gradient), so AOTAutograd saves them instead of the [N, V] logits. A gradient that is not
+# wanted is an empty tensor.
+@torch.library.custom_op("megatrain::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, reduction: str,
+                         grad_hidden: bool, grad_weight: bool) -> tuple[Tensor, Tensor, Tensor]:
+    from .chunked_ce import loss_and_grads, torch_chunk
+    chunk_fn = torch_chunk
+    if triton_runs(hidden):
+        from .linear_cross_entropy import _loss_and_grad_chunk as chunk_fn
+    loss, dh, dw = loss_and_grads(hidden, weight, labels, reduction, ignore_index, grad_hidden, grad_weight,
+                                  chunk_fn)
+    empty = hidden.new_empty(0)
+    return loss, (dh.contiguous() if dh is not None else empty), (dw if dw is not None else empty)
+
+
+@linear_cross_entropy.register_fake
+def _(hidden, weight, labels, ignore_index, reduction, grad_hidden, grad_weight):
+    return (hidden.new_empty((), dtype=torch.float32),
+            hidden.new_empty(hidden.shape) if grad_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if grad_weight else hidden.new_empty(0))
+
+
+def _lce_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1], output[2])
+    ctx.save_for_backward(output[1], output[2])
+    ctx.grad_hidden, ctx.grad_weight = inputs[5], inputs[6]
+
+
+def _lce_backward(ctx, dloss, _ddh, _ddw):
+    dh, dw = ctx.saved_tensors
+    return (dh * dloss.to(dh.dtype) if ctx.grad_hidden else None,
+            dw * dloss.to(dw.dtype) if ctx.grad_weight else None, None, None, None, None, None)
+
+
+linear_cross_entropy.register_autograd(_lce_backward, setup_context=_lce_setup)
+
+
+def linear_cross_entropy_workspace(n_rows: int, vocab: int, n_hidden: int, dtype: torch.dtype,
+                                   triton: bool, grad_weight: bool) -> int:
+    """Device bytes the op allocates beyond its outputs (for passes/memory_plan.py): one
+    [chunk, V] logits block (plus its fp32 copy in the torch math) and, over several chunks, the
+    fp32 d_weight accumulator (plus a low-precision product off CUDA)."""
+    from .chunked_ce import DEFAULT_CHUNK_BYTES, chunk_rows
+    itemsize = dtype.itemsize
+    rows = chunk_rows(n_rows, vocab, itemsize, None, DEFAULT_CHUNK_BYTES)
+    total = rows * vocab * (itemsize + (0 if triton or dtype == torch.float32 else 4))   # (+ fp32 upcast)
+    if grad_weight and rows < n_rows:   # several chunks: fp32 accumulator (+ product on the CPU)
+        total += vocab * n_hidden * (4 + (itemsize if dtype != torch.float32 and not triton else 0))
+    return int(total)

@@ -1,0 +1,89 @@
+"""Gradient offload: a segment's finished gradients leave the device and are added into
+`param.grad` (fp32, host) while the backward goes on with the next segment.
+
+    compute stream:  ... body k ──┬── body k-1 ──┬── body k-2 ...
+    D2H stream:                   └ copy grads k ┘└ copy grads k-1 ...      (CUDA: pinned, async)
+    host worker:                        wait event, grads k += fp32 ...      (one thread, FIFO)
+
+Without it each layer's copy and its fp32 conversion and accumulation (a pass over 6 bytes per
+parameter in host memory, single-threaded) would run on the compute path between two bodies.
+On CUDA the copies run on their own stream after the compute stream has produced the gradients
+(`wait_stream`); the device tensors are marked as used by that stream (`record_stream`), so the
+caching allocator does not hand their memory to the next body before the copy has read it; the
+host copies are pinned (torch allocates a pinned destination for a non-blocking device-to-host
+copy, from its caching host allocator). On the CPU ("device" = host) there is nothing to copy
+and the worker does the accumulation, which still overlaps the next body.
+
+Exactness: the same copies and the same fp32 additions in the same order as the synchronous
+path (one worker, first in first out, so a tied weight's two contributions add in segment
+order); `drain()` at the end of the backward returns only when every gradient is in place, so
+`loss.backward()` hands the optimizer complete gradients. At most `max_pending` segments are in
+flight, which bounds the pinned host memory; an error on the worker is raised by `drain()` or
+the next `offload()`.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+_WORKER: ThreadPoolExecutor | None = None
+_WORKER_LOCK = threading.Lock()
+
+
+def _worker() -> ThreadPoolExecutor:
+    """One host thread for every program: landings are first in, first out across programs too."""
+    global _WORKER
+    with _WORKER_LOCK:
+        if _WORKER is None:
+            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-grads")
+        return _WORKER
+
+
+class GradOffloader:
+    def __init__(self, device: torch.device, overlap: bool = True, max_pending: int = 2):
+        self.device = device
+        self.overlap = overlap
+        self.max_pending = max(1, max_pending)
+        self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+        self.pending: collections.deque[Future] = collections.deque()
+
+    def offload(self, items: list[tuple["WeightEntry", torch.Tensor, list[int] | None]]) -> int:  # noqa: F821
+        """Send one segment's gradients (entry, device gradient, routed rows or None) to
+        `param.grad`; returns the bytes that cross the link."""
+        if not self.overlap:
+            return sum(entry.accumulate_grad(grad, rows) for entry, grad, rows in items)
+        event = None
+        staged = []
+        if self.stream is not None:
+            # copies (and routed-row gathers) on the D2H stream, after the body that made the grads
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                for entry, grad, rows in items:
+                    host, moved = entry.stage_grad(grad, rows, non_blocking=True)
+                    grad.record_stream(self.stream)
+                    staged.append((entry, host, rows, moved))
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        else:
+            for entry, grad, rows in items:
+                host, moved = entry.stage_grad(grad, rows)
+                staged.append((entry, host, rows, moved))
+        while len(self.pending) >= self.max_pending:
+            self.pending.popleft().result()
+        self.pending.append(_worker().submit(_land, event, [(e, h, r) for e, h, r, _ in staged]))
+        return sum(moved for *_, moved in staged)
+
+    def drain(self) -> None:
+        """Return once every offloaded gradient is in `param.grad` (re-raises a worker error)."""
+        while self.pending:
+            self.pending.popleft().result()
+
+
+def _land(event, staged) -> None:
+    if event is not None:
+        event.synchronize()   # the copies into the pinned host tensors are complete
+    for entry, host, rows in staged:
+        entry.add_host_grad(host, rows)

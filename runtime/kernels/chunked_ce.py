@@ -1,0 +1,111 @@
+"""The chunk loop of the fused LM head + cross entropy, without Triton.
+
+    for each chunk of rows:  logits = h_chunk @ W.T          [chunk, V], input dtype
+                             chunk_fn(logits, ...)           row losses; logits := dlogits
+                             dh_chunk = dlogits @ W;  dW += dlogits.T @ h_chunk
+
+`chunk_fn` is the Triton kernel (`linear_cross_entropy.py`) where Triton runs, else
+`torch_chunk` below: the same math in torch ops, one [chunk, V] fp32 block at a time. Both
+give HF's numerics: logits in the input dtype, upcast to fp32, loss and softmax in fp32, the
+gradient rounded back to the logits dtype (what autograd of `logits.float()` does).
+Only one [chunk, V] block is alive at a time, so the [N, V] logits never exist.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+IGNORE_INDEX = -100
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
+
+
+def torch_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor, scale: torch.Tensor,
+                ignore_index: int) -> None:
+    """Write each row's loss into `loss_rows` and overwrite `logits` with d(loss)/d(logits)."""
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, 0).unsqueeze(1)
+    lf = logits.float()
+    lse = torch.logsumexp(lf, dim=1, keepdim=True)
+    loss_rows.copy_(torch.where(valid, (lse - lf.gather(1, safe)).squeeze(1), 0.0))
+    grad = lf.sub_(lse).exp_()                         # softmax, in place of the fp32 copy
+    grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
+    grad.mul_(torch.where(valid, scale, 0.0).unsqueeze(1))
+    logits.copy_(grad)
+
+
+def chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None, chunk_bytes: int) -> int:
+    if chunk_size is None:
+        chunk_size = chunk_bytes // max(1, vocab * itemsize)
+    return max(1, min(int(chunk_size), max(n_rows, 1)))
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b possibly low precision."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda:   # cuBLAS writes the low-precision product straight into fp32: no temporary
+        try:
+            torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):   # older torch: no out_dtype matmul
+            pass
+    acc.add_(torch.matmul(a, b))
+
+
+def loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
+                   ignore_index: int, need_hidden: bool, need_weight: bool, chunk_fn: ChunkFn,
+                   chunk_size: int | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    """(loss, d loss/d hidden or None, d loss/d weight or None) of
+    `cross_entropy((hidden @ weight.T).float(), labels, reduction)`; hidden [..., H], weight [V, H]."""
+    if reduction not in ("sum", "mean"):
+        raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
+    n_hidden = hidden.shape[-1]
+    vocab = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] != n_hidden:
+        raise ValueError(f"weight must be [V, {n_hidden}], got {tuple(weight.shape)}")
+    h2 = hidden.reshape(-1, n_hidden).contiguous()
+    n_rows = h2.shape[0]
+    labels = labels.reshape(-1).to(device=h2.device, dtype=torch.int64).contiguous()
+    if labels.shape[0] != n_rows:
+        raise ValueError(f"{labels.shape[0]} labels for {n_rows} hidden rows")
+
+    n_valid = (labels != ignore_index).sum().to(torch.float32)
+    scale = torch.ones((), dtype=torch.float32, device=h2.device) if reduction == "sum" else 1.0 / n_valid
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=h2.device)
+    grad_hidden = torch.empty_like(h2) if need_hidden else None
+    rows = chunk_rows(n_rows, vocab, h2.element_size(), chunk_size, chunk_bytes)
+    # one chunk: d_weight is one matmul in the weight's dtype, as eager computes it; several: an
+    # fp32 accumulator, so the chunking adds no rounding
+    single = rows >= n_rows
+    grad_weight = None
+    if need_weight and not single:
+        grad_weight = torch.zeros((vocab, n_hidden), dtype=torch.float32, device=h2.device)
+    w_t = weight.t()
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        h_chunk = h2[start:end]
+        logits = torch.matmul(h_chunk, w_t)   # [chunk, V], overwritten with its gradient
+        chunk_fn(logits, labels[start:end], loss_rows[start:end], scale, ignore_index)
+        if need_hidden:
+            torch.matmul(logits, weight, out=grad_hidden[start:end])
+        if need_weight:
+            if single:
+                grad_weight = torch.matmul(logits.t(), h_chunk)
+            else:
+                _accumulate_fp32(grad_weight, logits.t(), h_chunk)
+        del logits
+
+    loss = loss_rows.sum()
+    if reduction == "mean":
+        loss = loss / n_valid
+    if grad_hidden is not None:
+        grad_hidden = grad_hidden.reshape(hidden.shape)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    return loss, grad_hidden, grad_weight
