@@ -5,7 +5,9 @@ Prints the median training-step time (forward + backward + AdamW) of a small Lla
   eager+ckpt       per-decoder-layer torch.utils.checkpoint (the same recomputation megatrain does)
   megatrain        torch.compile(backend="megatrain") on the CPU (weights streamed through the
                    device pool, layer-boundary recomputation)
-and the ratios. Goal: megatrain within 1.15x of eager+ckpt on the CPU.
+and the ratios. Goal: megatrain within 1.15x of eager+ckpt on the CPU. Two megatrain variants
+show what the gradient offload thread (`overlap_grads=False`: synchronous) and the fused LM
+head + loss (`logits="drop"`, as `megatrain train` runs) change.
 
     python benchmarks/step_overhead.py [--layers 8 --hidden 256 --batch 4 --seq 256 --steps 12]
 """
@@ -76,8 +78,14 @@ def main() -> None:
     ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mt = copy.deepcopy(base).train()
     cmodel = torch.compile(mt, backend="megatrain", options={"device": "cpu"})
-    results = time_interleaved({"eager": make_step(eager, eager), "eager+ckpt": make_step(ckpt, ckpt),
-                                "megatrain": make_step(mt, cmodel)}, ARGS.steps, ARGS.warmup)
+    configs = {"eager": make_step(eager, eager), "eager+ckpt": make_step(ckpt, ckpt),
+               "megatrain": make_step(mt, cmodel)}
+    # variants: synchronous gradient offload; the loss fused with the LM head (as megatrain train)
+    for name, options in (("mt sync-grads", {"overlap_grads": False}), ("mt logits=drop", {"logits": "drop"})):
+        model = copy.deepcopy(base).train()
+        configs[name] = make_step(model, torch.compile(model, backend="megatrain",
+                                                       options={"device": "cpu", **options}))
+    results = time_interleaved(configs, ARGS.steps, ARGS.warmup)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     tokens = ARGS.batch * ARGS.seq
@@ -86,6 +94,9 @@ def main() -> None:
     print(f"ratio megatrain / eager+ckpt = {med['megatrain'] / med['eager+ckpt']:.3f}  (goal <= 1.15)")
     print(f"ratio megatrain / eager      = {med['megatrain'] / med['eager']:.3f}")
     print(f"ratio eager+ckpt / eager     = {med['eager+ckpt'] / med['eager']:.3f}")
+    print(f"ratio megatrain / mt sync-grads  = {med['megatrain'] / med['mt sync-grads']:.3f}  (overlapped "
+          "gradient offload)")
+    print(f"ratio mt logits=drop / megatrain = {med['mt logits=drop'] / med['megatrain']:.3f}  (fused LM head + loss)")
     s = megacompile.stats(cmodel)
     print(f"megatrain: peak device bytes {s['peak_device_bytes'] / 2**20:.1f} MiB, peak weight bytes "
           f"{s['peak_device_weight_bytes'] / 2**20:.1f} MiB of {s['weight_bytes'] / 2**20:.1f} MiB, "

@@ -66,7 +66,9 @@ class Program:
         self.capture = capture
         device = options.torch_device
         names = {inp.index: inp.name for inp in capture.inputs}
-        self.entries = store.register(params, names, pin=device.type == "cuda")
+        # (pinned later, when the schedule is known: host arenas per layer kind, runtime/host_arena.py)
+        self.entries = store.register(params, names, pin=False)
+        self.arena_rows: dict | None = None   # flat index -> host arena row, built at the first forward
         self.pool = DeviceWeightPool(device, options.slots)
         self.grads = GradOffloader(device, overlap=options.overlap_grads)
         self.hardware = options.hardware_profile()
@@ -79,8 +81,26 @@ class Program:
     def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
         """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
         names = {i: self.entries[i].name for i in params}
-        self.entries.update(store.register(params, names, pin=self.options.torch_device.type == "cuda"))
+        self.entries.update(store.register(params, names, pin=False))
+        self.arena_rows = None   # the arenas follow the parameters too
         return self.entries
+
+    def ensure_arenas(self) -> dict:
+        """Host arena rows for the segments' weights (built once, at the first forward run).
+        Without arenas (option host_arena=False), weights are pinned one by one on CUDA."""
+        if self.arena_rows is None:
+            from .runtime import host_arena
+            pin = self.options.torch_device.type == "cuda"
+            # rows follow the forward's segments; a backward segment uses a row when it reads all of it
+            segments = self.runners["forward"].schedule.segments
+            if self.options.host_arena:
+                self.arena_rows = host_arena.build(segments, self.entries, pin)
+            else:
+                if pin:
+                    for entry in self.entries.values():
+                        host_arena._pin_alone(entry)
+                self.arena_rows = {}
+        return self.arena_rows
 
     def context(self, direction: str) -> PassContext:
         cap = self.capture
@@ -174,6 +194,8 @@ class Program:
             "peak_device_bytes": self._step.get("peak_device_bytes", 0),
             "peak_device_weight_bytes": self.pool.counters.peak_resident_bytes,
             "h2d_bytes": self.pool.counters.h2d_bytes,
+            "h2d_copies": self.pool.counters.h2d_copies,
+            "arena_weights": len(self.arena_rows or ()),
             "d2h_bytes": self._step.get("d2h_bytes", 0),
             "distinct_layer_bodies": layer_bodies(fw),
             "distinct_bodies": {"forward": len(fw.bodies) if fw else 0,

@@ -77,6 +77,10 @@ class Options:
     #: path (D2H stream + one host thread, runtime/grad_offload.py), overlapping the next
     #: segment's backward. Exact either way; False does it synchronously (for bisecting).
     overlap_grads: bool = True
+    #: Keep each segment's host transfer copies in one arena row per layer, laid out as its device
+    #: slot buffer (runtime/host_arena.py): one copy per fetch, and on CUDA one pinned
+    #: registration per layer kind instead of pinning every tensor. False: per-tensor (bisecting).
+    host_arena: bool = True
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

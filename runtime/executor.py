@@ -105,6 +105,7 @@ class DirectionRunner:
             # Dynamo reuses a compiled graph for another model of the same architecture (its guards
             # check shapes, not identities): the store entries follow the parameters passed now.
             entries = program.rebind(stale)
+        rows = program.ensure_arenas()
         args.clear()  # boxed call: saved activations die at their last use, not at the end
         debug = program.options.debug_residency
         live_bytes = self._live(env) + pool.counters.resident_bytes
@@ -115,7 +116,7 @@ class DirectionRunner:
             k = step.segment
             seg = self.schedule.segments[k]
             if step.op == "prefetch":
-                pool.fetch(k, {i: entries[i] for i in seg.weights}, seg.routed)
+                pool.fetch(k, {i: entries[i] for i in seg.weights}, seg.routed, rows)
             elif step.op == "wait":
                 pool.wait(k)
             elif step.op == "evict":

@@ -7,7 +7,8 @@ Layout per trainable parameter `p` of compute dtype `c` (the dtype Dynamo traced
     Around every `optimizer.step()` (global optimizer hooks) the parameter is switched to its
     fp32 master, so a plain `torch.optim.AdamW` updates fp32 masters with fp32 state; afterwards
     the transfer copy is refreshed from the master, so the next forward never reads stale weights.
-On CUDA the transfer copies are pinned so host-to-device copies are asynchronous.
+On CUDA the transfer copies are pinned (runtime/host_arena.py) so host-to-device copies are
+asynchronous.
 """
 from __future__ import annotations
 
@@ -197,9 +198,7 @@ def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
         p.data = p.data.pin_memory()
     master = None
     if p.requires_grad and p.dtype in LOW_PRECISION:
-        master = p.detach().to(torch.float32, copy=True)
-        if pin:
-            master = master.pin_memory()
+        master = p.detach().to(torch.float32, copy=True)   # (never pinned: masters do not cross the link)
         _install_hooks()
     return WeightEntry(weakref.ref(p), name, master, p.data if master is not None else None, p._version,
                        next(_ORDER))

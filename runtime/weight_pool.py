@@ -1,6 +1,7 @@
 """Device weight pool: holds the weights of at most `slots` segments on the device.
 
-`fetch` copies a segment's transfer copies into one flat device buffer and hands out views;
+`fetch` copies a segment's transfer copies into one flat device buffer and hands out views (one
+copy when they sit in a host arena row with the buffer's layout, runtime/host_arena.py);
 `evict` releases the buffer. On CUDA the caching allocator recycles the block (identical layers
 ask for identical sizes). On the CPU a fresh large allocation is a fresh mmap whose pages fault
 in on first touch, so the pool recycles released buffers itself, but only when no view of the
@@ -21,6 +22,16 @@ from . import expert_rows
 _ALIGN = 256
 
 
+def layout(tensors) -> tuple[list[int], int]:
+    """Byte offsets of (shape, dtype) pairs packed in order, each aligned to 256 bytes, and the
+    total: the slot buffer's layout, which host arena rows (runtime/host_arena.py) share."""
+    offsets, total = [], 0
+    for shape, dtype in tensors:
+        offsets.append(total)
+        total += -(-int(torch.Size(shape).numel()) * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, total
+
+
 @dataclass
 class Resident:
     buffer: torch.Tensor
@@ -33,6 +44,7 @@ class Resident:
 @dataclass
 class PoolCounters:
     h2d_bytes: int = 0
+    h2d_copies: int = 0        # copy operations issued (one per arena row, else one per weight)
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
 
@@ -52,32 +64,42 @@ class DeviceWeightPool:
         self.counters = PoolCounters(resident_bytes=self.counters.resident_bytes,
                                      peak_resident_bytes=self.counters.resident_bytes)
 
-    def fetch(self, key: int, entries: dict[int, "WeightEntry"], routed=()) -> None:  # noqa: F821
+    def fetch(self, key: int, entries: dict[int, "WeightEntry"], routed=(), rows=None) -> None:  # noqa: F821
         """Copy a segment's weights into one device buffer. `routed` weights (stacked experts)
         get their place in the buffer but no copy: their bodies fetch the rows the router picks
-        (`runtime/expert_rows.py`)."""
+        (`runtime/expert_rows.py`). `rows` (flat index -> host arena row): weights whose row is
+        intact arrive in one copy of the row, laid out as the buffer's head."""
         if len(self.resident) >= self.slots:
             raise ResidencyError(
                 f"schedule asked for more than slots={self.slots} resident segments "
                 f"(resident: {sorted(self.resident)}, fetching {key})")
         sources = {i: e.source() for i, e in entries.items()}
-        offsets, total = {}, 0
-        for i, src in sources.items():
-            offsets[i] = total
-            total += -(-src.numel() * src.element_size() // _ALIGN) * _ALIGN
-        buffer = self._allocate(total)
+        row = next((rows[i] for i in sources if rows and i in rows), None)
+        if row is not None and not (set(row.order) <= sources.keys() and row.intact(sources)):
+            row = None
+        offsets = dict(row.offsets) if row is not None else {}
+        rest = [i for i in sources if i not in offsets]
+        rest_offsets, rest_bytes = layout([(sources[i].shape, sources[i].dtype) for i in rest])
+        head = row.nbytes if row is not None else 0
+        offsets.update({i: head + off for i, off in zip(rest, rest_offsets)})
+        buffer = self._allocate(head + rest_bytes)
         views = {}
         stream = self.copy_stream
+        copies = 0
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if row is not None:
+                buffer[:head].copy_(row.buffer, non_blocking=stream is not None)
+                copies += 1
             for i, src in sources.items():
                 n = src.numel() * src.element_size()
                 view = buffer[offsets[i]:offsets[i] + n].view(src.dtype).view(src.shape)
                 if i in routed:
                     expert_rows.expect(view, src, i, self)
-                else:
+                elif row is None or i not in row.offsets:
                     view.copy_(src, non_blocking=stream is not None)
+                    copies += 1
                 views[i] = view
         event = None
         if stream is not None:
@@ -87,6 +109,7 @@ class DeviceWeightPool:
         self.resident[key] = Resident(buffer, views, nbytes, event, [views[i] for i in routed])
         c = self.counters
         c.h2d_bytes += sum(s.numel() * s.element_size() for i, s in sources.items() if i not in routed)
+        c.h2d_copies += copies
         c.resident_bytes += nbytes
         c.peak_resident_bytes = max(c.peak_resident_bytes, c.resident_bytes)
 

@@ -45,5 +45,8 @@ def test_cuda_bf16_model_keeps_fp32_masters():
     cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
     opt.step()
     for p in model.parameters():
-        assert p.dtype == torch.bfloat16 and p.is_pinned()
+        assert p.dtype == torch.bfloat16 and p.is_pinned()   # (host arenas: registered, not copied)
         assert megacompile.master_weight(p).dtype == torch.float32
+    s = megacompile.stats(cmodel)
+    assert s["arena_weights"] == len(list(model.parameters()))
+    assert s["h2d_copies"] <= s["segments"]["forward"] + s["segments"]["backward"]

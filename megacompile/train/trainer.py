@@ -263,7 +263,7 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
     if resume_from is not None:
-        saved = checkpoint.load(resume_from, model, optimizer, pin=device.type == "cuda")
+        saved = checkpoint.load(resume_from, model, optimizer)   # (pinned by the host arenas)
         scheduler.load_state_dict(saved["scheduler"])
         order.load_state_dict(saved["data"])
         state = saved["state"]

@@ -1,0 +1,133 @@
+"""Host arenas: the transfer copies of each segment kind in one allocation, one row per segment,
+laid out exactly as the segment's device slot buffer, pinned once.
+
+    arena (one per layer kind)   uint8 [segments of that kind, row bytes]   cudaHostRegister'ed
+    row of layer L               | q_proj | pad | k_proj | pad | ... | down_proj | pad |
+    device slot buffer           | q_proj | pad | k_proj | pad | ... | down_proj | pad | others...
+    fetch(layer L)               one copy: slot[:row bytes] <- row L          (was: one per weight)
+
+Why: per-tensor pinning goes through torch's caching host allocator, which rounds every block
+up to a power of two (a 136 MB MLP weight takes 256 MB of pinned memory) and never returns
+freed blocks to the system; and a layer of a dozen weights costs a dozen copies where one
+would do. Registering one plain allocation per kind (`cudaHostRegister`) pins exactly the
+bytes, and the slot buffer's layout (`weight_pool.layout`) makes each fetch one transfer.
+
+Each weight's transfer copy (`p.data`, or the store entry's `transfer` when an fp32 master
+sits beside it) becomes a tensor over its slice of the row with a storage of its own
+(`torch.frombuffer`), so everything that looks at storages (safetensors, `save_pretrained`'s
+tied-weight detection, `deepcopy`) sees separate tensors, while the optimizer's in-place
+writes land in the row. Only weights that one segment alone reads (not tied weights, not
+routed experts, contiguous) go into rows; the others are pinned one by one. A row whose
+weights no longer sit where it put them (the user assigned `p.data`) is not used: the pool
+falls back to one copy per weight, so the arena is an optimisation, never a correctness risk.
+"""
+from __future__ import annotations
+
+import collections
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .weight_pool import layout
+
+
+@dataclass(eq=False)
+class ArenaRow:
+    buffer: torch.Tensor          # uint8 [nbytes]: this row of its arena
+    order: tuple[int, ...]        # flat indices of the weights in the row, in layout order
+    offsets: dict[int, int]       # flat index -> byte offset in the row
+    ptrs: dict[int, int]          # flat index -> data_ptr its transfer copy must have
+    nbytes: int
+
+    def intact(self, sources: dict[int, torch.Tensor]) -> bool:
+        """Whether each weight's current transfer copy is still the row's slice."""
+        return all(i in sources and sources[i].data_ptr() == p for i, p in self.ptrs.items())
+
+
+#: parameter -> its row (by identity: tensors compare elementwise, so no plain WeakKeyDictionary)
+_ROW_OF = WeakIdKeyDictionary()
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:   # pragma: no cover - interpreter shutdown
+        pass
+
+
+def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
+    arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    if pin:
+        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
+        if int(err) != 0:   # still correct, only the copies from this arena are synchronous
+            import warnings
+            warnings.warn(f"megatrain: cudaHostRegister of a {nbytes / 2**30:.2f} GiB host arena failed ({err}); "
+                          "its weights are copied to the device without overlap. Check the host's locked-memory "
+                          "limit (ulimit -l).", stacklevel=3)
+        else:
+            weakref.finalize(arena, _unregister, arena.data_ptr())
+    return arena
+
+
+def _rebind(entry, tensor: torch.Tensor) -> None:
+    """Make `tensor` (already holding the weights) the entry's transfer copy."""
+    p = entry.param
+    if entry.master is not None:
+        entry.transfer = tensor
+    p.data = tensor
+    entry.synced_version = p._version   # (the weights did not change: the master stays exact)
+
+
+def _pin_alone(entry) -> None:
+    src = entry.source()
+    if src.is_pinned():
+        return
+    _rebind(entry, src.pin_memory())
+
+
+def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
+    """Put the transfer copies of `segments` (schedule segments: `.weights`, `.routed`) into
+    arenas; returns flat index -> its row (rows already built for these parameters are reused).
+    With `pin` (CUDA), arenas are registered and the weights left out are pinned one by one."""
+    owners = collections.Counter(i for seg in segments for i in dict.fromkeys(seg.weights))
+    rows: dict[int, ArenaRow] = {}
+    new: dict[tuple, list] = collections.defaultdict(list)   # layout signature -> segments' weights
+    for seg in segments:
+        own = [i for i in seg.weights if owners[i] == 1 and i not in seg.routed]
+        sources = {i: entries[i].source() for i in own}
+        own = [i for i in own if sources[i].is_contiguous() and sources[i].device.type == "cpu"]
+        if not own:
+            continue
+        existing = {_ROW_OF.get(entries[i].param) for i in own}
+        row = next(iter(existing)) if len(existing) == 1 else None
+        if row is not None and set(row.order) == set(own) and row.intact(sources):
+            rows.update(dict.fromkeys(own, row))
+            continue
+        signature = tuple((tuple(sources[i].shape), sources[i].dtype) for i in own)
+        new[signature].append(own)
+    for signature, members in new.items():
+        offsets, row_bytes = layout([(shape, dtype) for shape, dtype in signature])
+        arena = _allocate(row_bytes * len(members), pin)
+        raw = memoryview(arena.numpy())
+        for r, own in enumerate(members):
+            base = r * row_bytes
+            ptrs, offs = {}, {}
+            for i, (shape, dtype), off in zip(own, signature, offsets):
+                n = dtype.itemsize * int(torch.Size(shape).numel())
+                t = torch.frombuffer(raw[base + off: base + off + n], dtype=dtype, count=n // dtype.itemsize)
+                t = t.view(shape)
+                with torch.no_grad():
+                    t.copy_(entries[i].source())
+                _rebind(entries[i], t)
+                ptrs[i], offs[i] = t.data_ptr(), off
+            row = ArenaRow(arena[base: base + row_bytes], tuple(own), offs, ptrs, row_bytes)
+            for i in own:
+                _ROW_OF[entries[i].param] = row
+                rows[i] = row
+    if pin:
+        for i, entry in entries.items():
+            if i not in rows:
+                _pin_alone(entry)
+    return rows
