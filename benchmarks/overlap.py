@@ -4,8 +4,12 @@ For one 1B-8B model (random weights, a real model's shapes), prints the median s
   limit        the whole model, fp32 AdamW state and gradients resident on the GPU, per-layer
                torch.utils.checkpoint (the recomputation megatrain does), torch's fused AdamW
                on the GPU: what the same step costs when nothing has to move;
-  megatrain    torch.compile(backend="megatrain"): weights streamed layer by layer from the host
-               store, gradients sent back, HostAdamW on the host after the backward;
+  plain        torch.compile(backend="megatrain") with the engine's parts off: per-tensor
+               transfer copies (host_arena=False), synchronous gradient copies
+               (overlap_grads=False), logits kept, no fused kernels; HostAdamW after the backward;
+  megatrain    the engine as `megatrain train` runs it: host arenas (one copy per layer), gradient
+               copies on their own stream overlapping the next layer, LM head + loss fused
+               (logits="drop"), Triton kernels; HostAdamW on the host after the backward;
   +overlap     the same with HostAdamW(overlap=True): the optimizer runs under the next forward.
 For each: step seconds, tokens/s, model TFLOP/s (6 x parameters x tokens; recompute not
 counted) and MFU against the hardware profile's dense rate; for megatrain the exposed transfer
@@ -95,9 +99,14 @@ def limit_step(args, device, data):
     return model, step
 
 
-def megatrain_step(args, device, data, overlap: bool):
+PLAIN = {"host_arena": False, "overlap_grads": False, "logits": "keep", "kernels": "none"}
+ENGINE = {"logits": "drop"}
+
+
+def megatrain_step(args, device, data, overlap: bool, options: dict):
     model = build(args, "cpu")   # the host store is the model's home
-    cmodel = torch.compile(model, backend="megatrain", options={"device": str(device), "slots": args.slots})
+    cmodel = torch.compile(model, backend="megatrain",
+                           options={"device": str(device), "slots": args.slots, **options})
     opt = HostAdamW(model.parameters(), lr=1e-5, overlap=overlap)
 
     def step():
@@ -135,8 +144,9 @@ def main() -> None:
     tokens = args.batch * args.seq
     results, params = {}, 0
     configs = ([] if args.skip_limit else [("limit (GPU-resident, per-layer ckpt)", lambda: limit_step(args, device, data))])
-    configs += [("megatrain", lambda: megatrain_step(args, device, data, False)),
-                ("megatrain +overlap", lambda: megatrain_step(args, device, data, True))]
+    configs += [("megatrain plain", lambda: megatrain_step(args, device, data, False, PLAIN)),
+                ("megatrain", lambda: megatrain_step(args, device, data, False, ENGINE)),
+                ("megatrain +overlap", lambda: megatrain_step(args, device, data, True, ENGINE))]
     for name, make in configs:
         model, step = make()
         params = sum(p.numel() for p in model.parameters())
@@ -154,11 +164,13 @@ def main() -> None:
         print(f"{name:<40} {r['step']:>8.3f} {r['fwd_bwd']:>8.3f} {r['optimizer']:>7.3f} {tokens / r['step']:>9.0f} "
               f"{tflops:>8.1f} {mfu:>6}")
     limit = next((r for n, r in results.items() if n.startswith("limit")), None)
-    for name in ("megatrain", "megatrain +overlap"):
+    for name in ("megatrain plain", "megatrain", "megatrain +overlap"):
         r = results[name]
         exposed_transfer = r["fwd_bwd"] - limit["fwd_bwd"] if limit else float("nan")
         print(f"{name}: exposed transfer {exposed_transfer:.3f} s, exposed optimizer {r['step'] - r['fwd_bwd']:.3f} s"
               + (f", step {r['step'] / limit['step']:.2f}x the limit" if limit else ""))
+    plain, engine = results["megatrain plain"], results["megatrain +overlap"]
+    print(f"engine speed-up over plain: {plain['step'] / engine['step']:.2f}x per step")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ class Program:
         self.hardware = options.hardware_profile()
         self.runners: dict[str, DirectionRunner] = {}
         self.pass_records: dict[str, list] = {}
+        self.lowering_records: dict[str, dict] = {}   # direction -> body -> eager | inductor, and why
         self.last_stats: dict[str, Any] = {}
         self._step: dict[str, Any] = {}
         self.last_run = 0.0
@@ -196,6 +197,8 @@ class Program:
             "h2d_bytes": self.pool.counters.h2d_bytes,
             "h2d_copies": self.pool.counters.h2d_copies,
             "arena_weights": len(self.arena_rows or ()),
+            "inductor_bodies": sum(r.get("lowering") == "inductor" for recs in self.lowering_records.values()
+                                   for r in recs.values()),
             "d2h_bytes": self._step.get("d2h_bytes", 0),
             "distinct_layer_bodies": layer_bodies(fw),
             "distinct_bodies": {"forward": len(fw.bodies) if fw else 0,

@@ -77,6 +77,10 @@ class Options:
     #: path (D2H stream + one host thread, runtime/grad_offload.py), overlapping the next
     #: segment's backward. Exact either way; False does it synchronously (for bisecting).
     overlap_grads: bool = True
+    #: How segment bodies run (runtime/lowering.py): "eager" (their aten ops one by one),
+    #: "inductor" (compiled by Inductor: Triton on CUDA, C++ on the CPU), "auto" (on CUDA each
+    #: distinct body is compiled and timed both ways and the faster kept; on the CPU eager).
+    lowering: str = "auto"
     #: Keep each segment's host transfer copies in one arena row per layer, laid out as its device
     #: slot buffer (runtime/host_arena.py): one copy per fetch, and on CUDA one pinned
     #: registration per layer kind instead of pinning every tensor. False: per-tensor (bisecting).
@@ -121,6 +125,9 @@ class Options:
         if self.kernels not in ("auto", "triton", "none"):
             raise ConfigError(f"option kernels={self.kernels!r}: use 'auto' (Triton kernels on CUDA), 'triton' or "
                               "'none'.")
+        if self.lowering not in ("auto", "eager", "inductor"):
+            raise ConfigError(f"option lowering={self.lowering!r}: use 'auto' (measured per body on CUDA), 'eager' "
+                              "or 'inductor'.")
         if self.logits not in ("keep", "drop"):
             raise ConfigError(f"option logits={self.logits!r}: use 'keep' (return the logits) or 'drop' (fused LM "
                               "head + loss, logits=None in the output).")

@@ -69,6 +69,7 @@ class DirectionRunner:
         self.plan = plan
         self.transient = {name: plan.transient.get(name, 0) if plan else 0 for name in bodies}
         self.body_of = [next(k for k, b in bodies.items() if b is c.body) for c in self.calls]
+        self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
         out = next(n for n in top.graph.nodes if n.op == "output")
         self.output_spec = [a.name if isinstance(a, fx.Node) else a for a in out.args[0]]
         # last segment reading each value; graph outputs live to the end
@@ -106,6 +107,10 @@ class DirectionRunner:
             # check shapes, not identities): the store entries follow the parameters passed now.
             entries = program.rebind(stale)
         rows = program.ensure_arenas()
+        if self.runs is None:
+            from .lowering import lower
+            self.runs, program.lowering_records[self.direction] = lower(
+                self.bodies, program.options.lowering, self.device)
         args.clear()  # boxed call: saved activations die at their last use, not at the end
         debug = program.options.debug_residency
         live_bytes = self._live(env) + pool.counters.resident_bytes
@@ -135,7 +140,7 @@ class DirectionRunner:
                 if debug:
                     _check_inputs_have_storage(inputs, call, k)
                 before = self._live(env) + pool.counters.resident_bytes
-                outs = call.body(*inputs)
+                outs = self.runs[self.body_of[k]](*inputs)
                 for name, value in zip(call.outputs, outs):
                     env[name] = value
                 after = self._live(env) + pool.counters.resident_bytes

@@ -1,0 +1,153 @@
+"""Lowering of the segment bodies: run as FX graphs of aten ops, or compiled by Inductor
+(generated Triton kernels on CUDA, C++ on the CPU), chosen per distinct body.
+
+    option lowering="eager"      every body runs its aten ops one by one (no compile time)
+    option lowering="inductor"   every body that Inductor compiles runs compiled
+    option lowering="auto"       on CUDA: compile each body, time both versions on random inputs
+                                 of its traced shapes, keep the faster; on the CPU: "eager"
+
+Bodies are deduplicated (passes/dedupe_bodies.py), so this costs one Inductor compile per
+layer kind and direction, not per layer. It happens at a runner's first call, outside
+AOTAutograd's tracing, on real tensors. A body keeps its eager form when Inductor cannot
+compile it or a random input cannot drive it (data-dependent routing), and when its shapes are
+symbolic (a compiled body is specialised to one shape; Dynamo's dynamic shapes would need a
+recompile per size); `Program.lowering_records` says which form each body got and why, with
+the measured times. The numerics are Inductor's: fused elementwise ops round once instead of
+per op, so results match eager within floating-point reassociation, not bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+MODES = ("auto", "eager", "inductor")
+
+
+def resolve(mode: str, device: torch.device) -> str:
+    if mode == "auto":
+        return "measure" if device.type == "cuda" else "eager"
+    return mode
+
+
+_RNG_OPS = {torch.ops.higher_order.run_and_save_rng_state, torch.ops.higher_order.run_with_rng_state}
+
+
+def _rng_states(body: fx.GraphModule) -> set[fx.Node]:
+    """Values that are a generator's state (saved by the forward, replayed by the recompute):
+    their size is the generator's, symbolic in the graph but fixed on a device."""
+    out = set()
+    for n in body.graph.nodes:
+        if n.target is torch.ops.higher_order.run_and_save_rng_state:
+            out.update(u for u in n.users if u.args[1] == 0)
+        elif n.target is torch.ops.higher_order.run_with_rng_state and isinstance(n.args[0], fx.Node):
+            out.add(n.args[0])
+    return out
+
+
+def _static(body: fx.GraphModule) -> bool:
+    rng = _rng_states(body)
+    for n in body.graph.nodes:
+        if n in rng or n.target in _RNG_OPS:
+            continue
+        v = n.meta.get("val")
+        vals = v if isinstance(v, (list, tuple)) else [v]
+        for x in vals:
+            if isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+                    isinstance(d, torch.SymInt) for d in (*x.shape, *x.stride()))):
+                return False
+    return True
+
+
+def _inputs(body: fx.GraphModule, device: torch.device) -> list:
+    """Random inputs of the traced shapes; a generator state input is the device's real one."""
+    from ..cost_model import _materialize
+    rng = _rng_states(body)
+    out = []
+    for n in body.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n in rng:
+            out.append(torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())
+            continue
+        v = _materialize(n)
+        out.append(v.to(device) if isinstance(v, torch.Tensor) else v)
+    return out
+
+
+def _time(fn: Callable, inputs: list, device: torch.device, repeat: int = 5) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    fn(*inputs)   # warm up
+    times = []
+    for _ in range(repeat):
+        sync()
+        t0 = time.perf_counter()
+        fn(*inputs)
+        sync()
+        times.append(time.perf_counter() - t0)
+    return min(times)   # other load only ever adds time
+
+
+def _compile(body: fx.GraphModule, inputs: list) -> Callable:
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.fx.experimental.proxy_tensor import make_fx
+    # Inductor lowers graphs already decomposed by its own table (compile_fx runs AOTAutograd
+    # with it); our bodies were traced with only megatrain's decompositions, so retrace first
+    graph = make_fx(body, decomposition_table=select_decomp_table())(*inputs)
+    return CompiledBody(compile_fx_inner(graph, list(inputs)), body)
+
+
+class CompiledBody:
+    """An Inductor-compiled body; if an input ever arrives with other sizes or strides than
+    traced (Inductor's input checks raise), the body runs eagerly from then on."""
+
+    def __init__(self, compiled, body: fx.GraphModule):
+        self.compiled, self.body, self.fallbacks = compiled, body, 0
+
+    def __call__(self, *args):
+        if not self.fallbacks:
+            try:
+                return self.compiled(list(args))
+            except AssertionError:
+                self.fallbacks += 1
+        return self.body(*args)
+
+
+def lower(bodies: dict[str, fx.GraphModule], mode: str, device: torch.device) -> tuple[dict[str, Callable], dict]:
+    """(body name -> callable to run, body name -> record) for `mode` as resolved on `device`."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    mode = resolve(mode, device)
+    runs: dict[str, Callable] = dict(bodies)
+    records: dict[str, dict] = {}
+    if mode == "eager":
+        return runs, {name: {"lowering": "eager"} for name in bodies}
+    for name, body in bodies.items():
+        if not _static(body):
+            records[name] = {"lowering": "eager", "why": "symbolic shapes"}
+            continue
+        with unset_fake_temporarily(), torch.no_grad():
+            try:
+                inputs = _inputs(body, device)
+                t0 = time.perf_counter()
+                compiled = _compile(body, inputs)
+                compile_s = time.perf_counter() - t0
+                if mode == "measure":
+                    eager_s, inductor_s = _time(body, inputs, device), _time(compiled, inputs, device)
+                else:
+                    compiled(*inputs)
+                    eager_s = inductor_s = None
+            except Exception as e:   # Inductor cannot compile it, or random inputs cannot drive it
+                records[name] = {"lowering": "eager", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                continue
+        use = mode == "inductor" or inductor_s < eager_s
+        if use:
+            runs[name] = compiled
+        records[name] = {"lowering": "inductor" if use else "eager", "compile_seconds": round(compile_s, 3),
+                         "eager_seconds": eager_s, "inductor_seconds": inductor_s}
+    return runs, records
