@@ -10,7 +10,11 @@ For one 1B-8B model (random weights, a real model's shapes), prints the median s
   megatrain    the engine as `megatrain train` runs it: host arenas (one copy per layer), gradient
                copies on their own stream overlapping the next layer, LM head + loss fused
                (logits="drop"), Triton kernels; HostAdamW on the host after the backward;
-  +overlap     the same with HostAdamW(overlap=True): the optimizer runs under the next forward.
+  +overlap fwd the same with HostAdamW(overlap="forward"): the optimizer runs under the next forward;
+  +overlap bwd HostAdamW(overlap="backward"): each layer's update starts during the backward as
+               its gradients land (speculative, rolled back when the norm is clipped: with
+               --max-grad-norm 0, the default here, nothing is clipped; the trainer's default 1.0
+               on random weights clips every step and shows the cost of the rollback instead).
 For each: step seconds, tokens/s, model TFLOP/s (6 x parameters x tokens; recompute not
 counted) and MFU against the hardware profile's dense rate; for megatrain the exposed transfer
 time (its forward+backward minus the limit's) and the exposed optimizer time (its step minus
@@ -103,7 +107,7 @@ PLAIN = {"host_arena": False, "overlap_grads": False, "logits": "keep", "kernels
 ENGINE = {"logits": "drop"}
 
 
-def megatrain_step(args, device, data, overlap: bool, options: dict):
+def megatrain_step(args, device, data, overlap, options: dict):
     model = build(args, "cpu")   # the host store is the model's home
     cmodel = torch.compile(model, backend="megatrain",
                            options={"device": str(device), "slots": args.slots, **options})
@@ -112,10 +116,13 @@ def megatrain_step(args, device, data, overlap: bool, options: dict):
     def step():
         sync(device)
         t0 = time.perf_counter()
-        cmodel(input_ids=data, labels=data, use_cache=False).loss.backward()
+        loss = cmodel(input_ids=data, labels=data, use_cache=False).loss
+        opt.arm()   # (overlap="backward" only)
+        loss.backward()
         sync(device)
         t1 = time.perf_counter()
-        opt.step()
+        norm = opt.grad_norm()
+        opt.step(grad_scale=min(1.0, args.max_grad_norm / (norm + 1e-6)) if args.max_grad_norm > 0 else 1.0)
         opt.zero_grad(set_to_none=True)
         if not overlap:
             opt.synchronize()
@@ -136,6 +143,7 @@ def main() -> None:
     ap.add_argument("--hardware", default="h200", help="profile for MFU (h200, h100, ... or a JSON path)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--max-grad-norm", type=float, default=0.0, help="clip (0: no clipping)")
     ap.add_argument("--skip-limit", action="store_true", help="skip the GPU-resident limit (e.g. it does not fit)")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -146,7 +154,8 @@ def main() -> None:
     configs = ([] if args.skip_limit else [("limit (GPU-resident, per-layer ckpt)", lambda: limit_step(args, device, data))])
     configs += [("megatrain plain", lambda: megatrain_step(args, device, data, False, PLAIN)),
                 ("megatrain", lambda: megatrain_step(args, device, data, False, ENGINE)),
-                ("megatrain +overlap", lambda: megatrain_step(args, device, data, True, ENGINE))]
+                ("megatrain +overlap fwd", lambda: megatrain_step(args, device, data, "forward", ENGINE)),
+                ("megatrain +overlap bwd", lambda: megatrain_step(args, device, data, "backward", ENGINE))]
     for name, make in configs:
         model, step = make()
         params = sum(p.numel() for p in model.parameters())
@@ -164,12 +173,13 @@ def main() -> None:
         print(f"{name:<40} {r['step']:>8.3f} {r['fwd_bwd']:>8.3f} {r['optimizer']:>7.3f} {tokens / r['step']:>9.0f} "
               f"{tflops:>8.1f} {mfu:>6}")
     limit = next((r for n, r in results.items() if n.startswith("limit")), None)
-    for name in ("megatrain plain", "megatrain", "megatrain +overlap"):
+    for name in ("megatrain plain", "megatrain", "megatrain +overlap fwd", "megatrain +overlap bwd"):
         r = results[name]
         exposed_transfer = r["fwd_bwd"] - limit["fwd_bwd"] if limit else float("nan")
         print(f"{name}: exposed transfer {exposed_transfer:.3f} s, exposed optimizer {r['step'] - r['fwd_bwd']:.3f} s"
               + (f", step {r['step'] / limit['step']:.2f}x the limit" if limit else ""))
-    plain, engine = results["megatrain plain"], results["megatrain +overlap"]
+    plain = results["megatrain plain"]
+    engine = min((results[n] for n in ("megatrain +overlap fwd", "megatrain +overlap bwd")), key=lambda r: r["step"])
     print(f"engine speed-up over plain: {plain['step'] / engine['step']:.2f}x per step")
 
 

@@ -12,7 +12,9 @@ How it is derived (nothing here is a hand formula for a particular architecture)
      linear in the batch size at a fixed sequence length, so two captures give every batch size.
   4. The full-depth schedule (every layer mapped to its kind's segments) is built by the same
      `build_steps` the schedule pass uses and simulated on the hardware profile
-     (`simulate.py`); the CPU optimizer step follows it (the runtime does not overlap them yet).
+     (`simulate.py`); the CPU optimizer step follows it. With `overlap_optimizer=backward` and an
+     unclipped norm it overlaps the backward instead: `overlapped_step_seconds` models each
+     layer's update as a queue on the host fed as the layers' gradients land (runtime/adamw.py).
   5. Device peak = the captured plan's peak + the saved bytes of the layers the prefix left out
      (exact when the peak is where every saved activation is live: end of forward/start of
      backward; an upper bound otherwise).
@@ -171,10 +173,22 @@ class BatchEstimate:
     backward_seconds: float
     optimizer_seconds: float
     captured: bool = False       # device peak from a capture at this batch (else interpolated)
+    layers: int = 1
 
     @property
     def step_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds + self.optimizer_seconds
+
+    @property
+    def overlapped_step_seconds(self) -> float:
+        """The step with each layer's update started as its gradients land (HostAdamW
+        overlap="backward", norm not clipped): layers land every backward/L seconds and the
+        host updates one in optimizer/L, so it finishes at max(backward + optimizer/L,
+        backward/L + optimizer). Host-memory contention with the gradient copies is ignored."""
+        n = max(1, self.layers)
+        finish = max(self.backward_seconds + self.optimizer_seconds / n,
+                     self.backward_seconds / n + self.optimizer_seconds)
+        return self.forward_seconds + finish
 
 
 @dataclass
@@ -210,7 +224,8 @@ class Plan:
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "fits": self.fits, "problems": self.problems,
-             "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
+             "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b),
+                          "overlapped_step_seconds": b.overlapped_step_seconds}
                          for b in self.batches]}
         d["best_batch"] = self.best.batch if self.best else None
         return d
@@ -320,7 +335,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
             times[direction] = makespan(simulate(build_steps(infos, lookahead[direction]), costs, hardware))
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"],
                              optimizer_seconds(trainable, hardware),
-                             captured=b in (2, 4) or b in m.checked)
+                             captured=b in (2, 4) or b in m.checked, layers=len(kinds))
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
     # which can move to a step whose bytes grow faster: a convex function, which the chord from
@@ -418,7 +433,10 @@ def to_text(plan: Plan) -> str:
     if plan.best:
         b = plan.best
         lines.append(f"best: batch {b.batch} x seq {plan.seq} -> {b.step_seconds:.3f} s/step, "
-                     f"{plan.tokens_per_s(b):,.0f} tokens/s (optimizer not overlapped with the backward)")
+                     f"{plan.tokens_per_s(b):,.0f} tokens/s with the optimizer after the backward; "
+                     f"{b.overlapped_step_seconds:.3f} s/step, "
+                     f"{b.batch * plan.seq / b.overlapped_step_seconds:,.0f} tokens/s with it during the backward "
+                     "(overlap_optimizer=backward, norm not clipped)")
     for p in plan.problems:
         lines.append(f"CANNOT FIT: {p}")
     return "\n".join(lines)

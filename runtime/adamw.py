@@ -21,12 +21,16 @@ falls back to torch's fused AdamW plus a copy (a warning says so once).
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from torch import nn
 
+from . import grad_offload
 from .store import LOW_PRECISION, _master_entry, entry_of
 
 _KERNEL: list = []   # [module or None], loaded once
@@ -48,6 +52,13 @@ def kernel():
     return _KERNEL[0]
 
 
+def _available_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):   # not on Linux: no rollback copies, no speculation
+        return 0
+
+
 def _fallback(master, grad, exp_avg, exp_avg_sq, low, step_t, lr, beta1, beta2, eps, weight_decay, grad_scale):
     g = grad if grad_scale == 1.0 else grad * grad_scale
     torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
@@ -61,13 +72,33 @@ class HostAdamW(torch.optim.Optimizer):
     torch.optim.AdamW (no amsgrad/maximize); `step(grad_scale=c)` multiplies the gradients by
     `c` inside the update (the global-norm clipping factor, without a pass of its own).
 
-    `overlap=True`: `step()` returns at once and a host thread updates the weights in the order
-    the forward reads them; the next forward's fetch of a weight waits for that weight's update
-    only (`WeightEntry.ready`), so the optimizer runs under the next step's data preparation and
-    forward. It is exact, with no rollback: the step starts after the backward, when the global
-    norm (clipping factor) and the finiteness of the gradients are known. `synchronize()` waits
-    for the step (checkpoint saving, reading weights outside a megatrain forward); `step`,
-    `state_dict`, `load_state_dict` and `zero_grad(set_to_none=False)` call it themselves.
+    `overlap=True` (or "forward"): `step()` returns at once and a host thread updates the weights
+    in the order the forward reads them; the next forward's fetch of a weight waits for that
+    weight's update only (`WeightEntry.ready`), so the optimizer runs under the next step's data
+    preparation and forward. It is exact, with no rollback: the step starts after the backward,
+    when the global norm (clipping factor) and the finiteness of the gradients are known.
+    `synchronize()` waits for the step (checkpoint saving, reading weights outside a megatrain
+    forward); `step`, `state_dict`, `load_state_dict` and `zero_grad(set_to_none=False)` call it.
+
+    `overlap="backward"`: in addition, `arm()` before the step's last backward makes each
+    weight's update start on a host thread as soon as its gradient is complete on the host
+    (runtime/grad_offload.py tells), under the backward of the layers before it:
+
+        backward:   body L ── body L-1 ── body L-2 ── ... ── body 0 ┐
+        grads:          └ land L ──┴ land L-1 ──┴ ...                ├ grad_norm()  step(c)
+        optimizer:            └ snapshot L, AdamW(c=1) L ──┴ ...     ┘  c == 1: kept
+                                                                        c != 1 / skipped: rollback
+    The clipping factor c depends on the global norm, known only after the whole backward, so
+    these updates are speculative (c = 1) and exact by rollback: before updating a weight its
+    master, moments and step count are copied aside (12 bytes/param, kept between steps, at most
+    `rollback_bytes`; weights beyond that budget wait for `step()`). `step(grad_scale=c)` keeps
+    the speculative updates when c == 1 and the gradient is the one they read; otherwise (the
+    norm was clipped, the gradient was changed in place, a hyper-parameter changed) it restores
+    the copy and updates again with c. Between the armed backward and `step()` no megatrain
+    forward or backward may run (they would read updated weights): they raise an error. `discard()` (a step skipped for non-finite
+    gradients; also `zero_grad()` without a step) restores every copy. Results equal the
+    non-overlapped step's bit for bit (tests/test_host_adamw.py). `grad_norm()` is the global
+    L2 norm of the gradients, with the speculatively updated weights' norms taken as they land.
     """
 
     # the store's optimizer hooks leave this optimizer's parameters alone: it reads the fp32
@@ -75,13 +106,28 @@ class HostAdamW(torch.optim.Optimizer):
     updates_transfer_copies = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, overlap: bool = False):
+                 weight_decay: float = 1e-2, overlap: bool | str = False, rollback_bytes: int | None = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"HostAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
+        if overlap not in (False, True, "none", "forward", "backward"):
+            raise ValueError(f"HostAdamW: overlap={overlap!r}; use False, True/'forward' (under the next forward) "
+                             "or 'backward' (each layer's update starts during the backward)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.overlap = overlap
+        self.overlap = overlap not in (False, "none")
+        self.backward = overlap == "backward"
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
+        # overlap="backward": speculative updates (see the class docstring)
+        self.rollback_bytes = rollback_bytes
+        self._armed = False
+        self._hyper: dict[nn.Parameter, tuple] = {}        # parameter -> its group's hyper-parameters
+        self._spec: dict[nn.Parameter, tuple] = {}         # updated during this backward: (grad, version, hyper)
+        self._norms: dict[nn.Parameter, torch.Tensor] = {}  # their gradient norms, taken as they landed
+        self._snap: dict[nn.Parameter, tuple] = {}         # rollback copies, kept between steps
+        self._snap_bytes = 0
+        self._futures: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+        self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0}
 
     @staticmethod
     def _buffers(p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -91,9 +137,135 @@ class HostAdamW(torch.optim.Optimizer):
             return entry.master, entry.transfer
         return p.data, None
 
+    # overlap="backward" ---------------------------------------------------------------
+    def arm(self) -> None:
+        """The next backward is this step's last (after any gradient accumulation): update each
+        weight as soon as its gradient is complete. Needs overlap="backward" (else a no-op)."""
+        if not self.backward or self._armed:
+            return
+        self.synchronize()
+        if self.rollback_bytes is None:   # half of what the host has free now, decided once
+            self.rollback_bytes = _available_host_bytes() // 2
+        self._hyper = {p: (g["lr"], *g["betas"], g["eps"], g["weight_decay"])
+                       for g in self.param_groups for p in g["params"]}
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
+        self._armed = True
+        grad_offload.listen(self._on_gradient, self._guard)
+
+    def _guard(self) -> str | None:
+        if self._spec:
+            return ("megatrain: a forward or backward after the backward that HostAdamW.arm() was for: the weights "
+                    "already hold that step's updates. Call arm() right before the step's last backward (after its "
+                    "forward), then step() or discard() before the next forward.")
+        return None
+
+    def _on_gradient(self, entry) -> None:
+        """(grad_offload worker) `entry`'s gradient is complete: start its update."""
+        p = entry.param_ref()
+        if not self._armed or p is None or p not in self._hyper or p in self._spec or p.grad is None:
+            return
+        weights, _ = self._buffers(p)
+        if not self._snapshot_fits(p, weights):
+            self.counters["over_budget"] += 1
+            return
+        self._spec[p] = (p.grad, p.grad._version, self._hyper[p])   # claimed; filled in by the update
+        entry.ready.clear()   # a read of this weight waits for its update
+        self._futures.append(self._pool.submit(self._speculate, p, entry))
+
+    def _snapshot_fits(self, p, weights) -> bool:
+        if p in self._snap:
+            return True
+        need = 3 * weights.numel() * 4
+        if self._snap_bytes + need > self.rollback_bytes:
+            return False
+        self._snap_bytes += need
+        self._snap[p] = None   # allocated on the optimizer thread
+        return True
+
+    @torch.no_grad()
+    def _speculate(self, p, entry) -> None:
+        try:
+            grad, version, hyper = self._spec[p]
+            self._init_state(p)
+            weights, _ = self._buffers(p)
+            state = self.state[p]
+            snap = self._snap[p]
+            if snap is None:
+                snap = self._snap[p] = (torch.empty_like(weights), torch.empty_like(state["exp_avg"]),
+                                        torch.empty_like(state["exp_avg_sq"]), torch.zeros(()))
+            for dst, src in zip(snap, (weights, state["exp_avg"], state["exp_avg_sq"], state["step"])):
+                dst.copy_(src)
+            self._norms[p] = torch.linalg.vector_norm(grad, 2.0)
+            self._update(p, grad, hyper, 1.0)
+            self.counters["speculated"] += 1
+        finally:
+            entry.ready.set()
+
+    def _wait_speculation(self) -> None:
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def _rollback(self, p) -> None:
+        weights, low = self._buffers(p)
+        state = self.state[p]
+        master, exp_avg, exp_avg_sq, step = self._snap[p]
+        weights.copy_(master)
+        state["exp_avg"].copy_(exp_avg)
+        state["exp_avg_sq"].copy_(exp_avg_sq)
+        state["step"].copy_(step)
+        if low is not None:
+            low.copy_(weights)   # the transfer copy is the master rounded, as the update writes it
+            _master_entry(p).synced_version = p._version
+        self.counters["rolled_back"] += 1
+
+    def _disarm(self) -> dict:
+        """Stop speculating; returns {parameter: (gradient read, its version, hyper)} updated."""
+        grad_offload.unlisten(self._on_gradient, self._guard)
+        self._armed = False
+        self._wait_speculation()
+        spec, self._spec = self._spec, {}
+        return spec
+
+    @torch.no_grad()
+    def discard(self) -> None:
+        """Undo this backward's speculative updates (the step is skipped)."""
+        for p in self._disarm():
+            self._rollback(p)
+        self._norms = {}
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients (as torch.nn.utils.get_total_norm; the weights updated
+        during the backward contribute the norm taken when their gradient landed)."""
+        self._wait_speculation()
+        norms = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                spec = self._spec.get(p)
+                valid = spec is not None and spec[0] is p.grad and spec[1] == p.grad._version
+                norms.append(self._norms[p] if valid else torch.linalg.vector_norm(p.grad, 2.0))
+        if not norms:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), 2.0))
+
+    # --------------------------------------------------------------------------------
+    def _init_state(self, p) -> None:
+        state = self.state[p]
+        if not state:
+            weights, _ = self._buffers(p)
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
+
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):
         self.synchronize()
+        spec = self._disarm() if self._armed else {}
+        self._norms = {}
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -102,16 +274,19 @@ class HostAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             hyper = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             for p in group["params"]:
+                done = spec.pop(p, None)
+                if done is not None:
+                    if grad_scale == 1.0 and done[0] is p.grad and done[1] == p.grad._version and done[2] == hyper:
+                        self.counters["kept"] += 1
+                        continue
+                    self._rollback(p)   # clipped, or the gradient or the hyper-parameters changed
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    weights, _ = self._buffers(p)
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
+                self._init_state(p)
                 entry = entry_of(p)
                 work.append((entry.order if entry is not None else -1, p, p.grad, hyper))
+        for p in spec:   # updated during the backward but not a parameter of any group now
+            self._rollback(p)
         work.sort(key=lambda w: w[0])   # the order the forward reads the weights
         later = [w for w in work if w[0] >= 0] if self.overlap else []
         for w in work if not later else [w for w in work if w[0] < 0]:   # outside the store: now
@@ -172,15 +347,22 @@ class HostAdamW(torch.optim.Optimizer):
             _master_entry(p).synced_version = p._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._armed:   # gradients dropped without a step: its speculative updates are undone
+            self.discard()
         if not set_to_none:   # zeroing in place would race with an overlapped step reading them
             self.synchronize()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
+        if self._armed:
+            raise RuntimeError("HostAdamW.state_dict() between arm() and step(): the state holds speculative "
+                               "updates; call step() or discard() first")
         self.synchronize()
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        if self._armed:
+            self.discard()
         self.synchronize()
         super().load_state_dict(state_dict)
         # torch casts state to the parameter's dtype: a bf16 parameter's moments belong to its

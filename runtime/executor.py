@@ -22,6 +22,7 @@ from ..passes.dedupe_bodies import BODY
 from ..passes.memory_plan import MEMORY_PLAN
 from ..passes.schedule import SCHEDULE, Schedule
 from ..passes.split_segments import SEGMENT
+from . import grad_offload
 from .weight_pool import DeviceWeightPool
 
 _ALWAYS = math.inf
@@ -83,9 +84,18 @@ class DirectionRunner:
         for name in self.output_spec:
             if isinstance(name, str) and name not in self.offloaded:
                 self.last_use[name] = _ALWAYS
+        # the grad_offload step that completes each weight's gradient in this backward (a tied
+        # weight gets one contribution per segment that reads it): from there an optimizer armed
+        # for the backward may update it (runtime/adamw.py, overlap="backward")
+        self.final_offload: dict[int, int] = {}
+        for step in self.schedule.steps:
+            if step.op == "grad_offload":
+                for index, _ in self.schedule.segments[step.segment].grads:
+                    self.final_offload[index] = step.segment
 
     # ------------------------------------------------------------------------------
     def __call__(self, args: list):
+        grad_offload.check_guards()   # e.g. weights holding an armed optimizer's speculative updates
         program = self.program
         stats = program.begin(self.direction)
         pool: DeviceWeightPool = program.pool
@@ -155,7 +165,8 @@ class DirectionRunner:
                 items = []
                 for index, name in seg.grads:
                     grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
-                    items.append((entries[index], grad, pool.routed_rows.get(index) if index in seg.routed else None))
+                    items.append((entries[index], grad, pool.routed_rows.get(index) if index in seg.routed else None,
+                                  self.final_offload[index] == k))
                 grads_bytes += program.grads.offload(items)
         if self.direction == "backward":
             program.grads.drain()   # backward() returns with every gradient in param.grad

@@ -14,6 +14,11 @@ host copies are pinned (torch allocates a pinned destination for a non-blocking 
 copy, from its caching host allocator). On the CPU ("device" = host) there is nothing to copy
 and the worker does the accumulation, which still overlaps the next body.
 
+Completion: the executor flags the offload that completes a weight's gradient for this backward
+(its last contribution); once that contribution is in `param.grad` the functions registered with
+`listen` are called with the weight's entry, on the worker (an optimizer armed to update each
+layer during the backward, runtime/adamw.py).
+
 Exactness: the same copies and the same fp32 additions in the same order as the synchronous
 path (one worker, first in first out, so a tied weight's two contributions add in segment
 order); `drain()` at the end of the backward returns only when every gradient is in place, so
@@ -31,6 +36,38 @@ import torch
 
 _WORKER: ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
+_LISTENERS: list = []   # fn(entry): that weight's gradient for this backward is complete
+
+
+_GUARDS: list = []      # guard() -> None, or why no forward or backward may run now
+
+
+def listen(fn, guard=None) -> None:
+    """Call `fn(entry)` each time a weight's gradient for the running backward is complete;
+    `guard()`, checked before every megatrain forward and backward, may forbid them."""
+    if fn not in _LISTENERS:
+        _LISTENERS.append(fn)
+        if guard is not None:
+            _GUARDS.append(guard)
+
+
+def unlisten(fn, guard=None) -> None:
+    if fn in _LISTENERS:
+        _LISTENERS.remove(fn)
+    if guard in _GUARDS:
+        _GUARDS.remove(guard)
+
+
+def check_guards() -> None:
+    for guard in list(_GUARDS):
+        reason = guard()
+        if reason:
+            raise RuntimeError(reason)
+
+
+def _completed(entry) -> None:
+    for fn in list(_LISTENERS):
+        fn(entry)
 
 
 def _worker() -> ThreadPoolExecutor:
@@ -50,31 +87,36 @@ class GradOffloader:
         self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
         self.pending: collections.deque[Future] = collections.deque()
 
-    def offload(self, items: list[tuple["WeightEntry", torch.Tensor, list[int] | None]]) -> int:  # noqa: F821
-        """Send one segment's gradients (entry, device gradient, routed rows or None) to
-        `param.grad`; returns the bytes that cross the link."""
+    def offload(self, items: list[tuple["WeightEntry", torch.Tensor, list[int] | None, bool]]) -> int:  # noqa: F821
+        """Send one segment's gradients (entry, device gradient, routed rows or None, whether
+        this completes the weight's gradient) to `param.grad`; returns the bytes that cross the link."""
         if not self.overlap:
-            return sum(entry.accumulate_grad(grad, rows) for entry, grad, rows in items)
+            moved = 0
+            for entry, grad, rows, final in items:
+                moved += entry.accumulate_grad(grad, rows)
+                if final:
+                    _completed(entry)
+            return moved
         event = None
         staged = []
         if self.stream is not None:
             # copies (and routed-row gathers) on the D2H stream, after the body that made the grads
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                for entry, grad, rows in items:
+                for entry, grad, rows, final in items:
                     host, moved = entry.stage_grad(grad, rows, non_blocking=True)
                     grad.record_stream(self.stream)
-                    staged.append((entry, host, rows, moved))
+                    staged.append((entry, host, rows, final, moved))
             event = torch.cuda.Event()
             event.record(self.stream)
         else:
-            for entry, grad, rows in items:
+            for entry, grad, rows, final in items:
                 host, moved = entry.stage_grad(grad, rows)
-                staged.append((entry, host, rows, moved))
+                staged.append((entry, host, rows, final, moved))
         while len(self.pending) >= self.max_pending:
             self.pending.popleft().result()
-        self.pending.append(_worker().submit(_land, event, [(e, h, r) for e, h, r, _ in staged]))
-        return sum(moved for *_, moved in staged)
+        self.pending.append(_worker().submit(_land, event, [s[:4] for s in staged]))
+        return sum(s[4] for s in staged)
 
     def drain(self) -> None:
         """Return once every offloaded gradient is in `param.grad` (re-raises a worker error)."""
@@ -85,5 +127,7 @@ class GradOffloader:
 def _land(event, staged) -> None:
     if event is not None:
         event.synchronize()   # the copies into the pinned host tensors are complete
-    for entry, host, rows in staged:
+    for entry, host, rows, final in staged:
         entry.add_host_grad(host, rows)
+        if final:
+            _completed(entry)

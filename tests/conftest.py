@@ -71,6 +71,15 @@ def assert_step_matches_eager(model, ref, cmodel, pad_left: int = 0) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _triton_interpreter_only_where_asked(request, monkeypatch):
+    """The kernel test modules set TRITON_INTERPRET=1 when they are collected (before triton is
+    imported), which lasts for the whole session; every other test runs with it unset, so the
+    fused ops there take their torch path on the CPU instead of the (very slow) interpreter."""
+    if request.node.get_closest_marker("triton_interpreter") is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
     megacompile.output_hooks.register()  # reset() drops Dynamo's compile-start callbacks

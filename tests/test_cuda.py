@@ -50,3 +50,31 @@ def test_cuda_bf16_model_keeps_fp32_masters():
     s = megacompile.stats(cmodel)
     assert s["arena_weights"] == len(list(model.parameters()))
     assert s["h2d_copies"] <= s["segments"]["forward"] + s["segments"]["backward"]
+
+
+def test_cuda_optimizer_during_the_backward_is_exact():
+    """HostAdamW(overlap="backward") with the gradient copies on their own stream: updates that
+    start while the GPU runs the earlier layers' backward equal the plain step's, kept (no
+    clipping) or rolled back (clipped)."""
+    from megacompile.runtime.adamw import HostAdamW
+    runs = {}
+    for overlap in (False, "backward"):
+        torch._dynamo.reset()
+        model = tiny_model("llama", layers=4, dtype=torch.bfloat16)
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cuda", "logits": "drop"})
+        opt = HostAdamW(model.parameters(), lr=1e-3, overlap=overlap)
+        losses = []
+        for step, max_norm in enumerate([1e9, 1e-3, 1e9]):
+            ids, mask, labels = batch(2, 16, seed=step)
+            loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            opt.arm()
+            loss.backward()
+            norm = opt.grad_norm()
+            opt.step(grad_scale=min(1.0, max_norm / (norm + 1e-6)))
+            opt.zero_grad()
+            losses.append(loss.item())
+        opt.synchronize()
+        runs[overlap] = (losses, [megacompile.master_weight(p).clone() for p in model.parameters()], opt.counters)
+    assert runs["backward"][0] == runs[False][0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["backward"][1], runs[False][1]))
+    assert runs["backward"][2]["kept"] > 0 and runs["backward"][2]["rolled_back"] > 0

@@ -200,3 +200,108 @@ def test_a_dead_parameter_never_drops_the_entry_of_a_newer_one_at_its_id():
     assert store._ENTRIES.get(id(old)) is fresh
     store._drop(id(old), fresh)
     assert id(old) not in store._ENTRIES
+
+
+# overlap="backward": speculative updates during the backward, exact by rollback -----------------
+def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=False):
+    """Four steps through every outcome of a speculative step: kept (no clipping), clipped
+    (rolled back, redone with the factor), skipped (rolled back), after gradient accumulation
+    (speculating only in the last backward). Returns losses, norms, masters, moments, counters."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=3, dtype=dtype)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, overlap=overlap, rollback_bytes=rollback_bytes)
+    losses, norms = [], []
+    for step, (max_norm, accumulation, skip) in enumerate([(1e9, 1, False), (1e-3, 1, False), (1e9, 1, True),
+                                                           (1e9, 2, False)]):
+        for micro in range(accumulation):
+            ids, mask, labels = batch(seed=10 * step + micro)
+            loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            if micro == accumulation - 1:
+                opt.arm()
+            loss.backward()
+            losses.append(loss.item())
+        if scale_some_grads:   # user code changing gradients between the backward and the step
+            for p in list(model.parameters())[::3]:
+                p.grad.mul_(0.5)
+        norm = opt.grad_norm()
+        norms.append(norm)
+        if skip:
+            opt.discard()
+        else:
+            opt.step(grad_scale=min(1.0, max_norm / (norm + 1e-6)))
+        opt.zero_grad()
+    opt.synchronize()
+    state = {k: (master_weight(p).clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone(),
+                 float(opt.state[p]["step"]), p.data.clone()) for k, p in model.named_parameters()}
+    return losses, norms, state, dict(opt.counters)
+
+
+def _assert_same_training(got, want):
+    assert got[0] == want[0]   # losses
+    assert got[1] == want[1]   # gradient norms
+    for k, values in want[2].items():
+        for a, b in zip(got[2][k], values):
+            assert (a == b) if isinstance(a, float) else torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_updates_during_the_backward_equal_the_step_after_it(dtype, monkeypatch):
+    """overlap="backward": each layer's update starts as its gradient lands, with the kernel
+    slowed so that the backward really runs ahead of it. Kept when the clipping factor is 1,
+    rolled back and redone when clipped, rolled back when the step is skipped; the masters,
+    moments, step counts and transfer copies equal the plain step's bit for bit."""
+    want = _train_with_schedule(dtype, overlap=False)
+    import threading
+    import time
+    real = adamw.kernel()
+    threads = set()
+
+    class Slow:
+        def adamw_step(self, *args):
+            threads.add(threading.current_thread().name)
+            time.sleep(0.002)
+            real.adamw_step(*args)
+
+    monkeypatch.setattr(adamw, "_KERNEL", [Slow()])
+    got = _train_with_schedule(dtype, overlap="backward")
+    _assert_same_training(got, want)
+    counters = got[3]
+    layers = 3 * 9   # a tiny Llama layer's 9 weights
+    assert counters["speculated"] >= 4 * layers   # every step speculated its layers
+    assert counters["kept"] >= 2 * layers         # steps 1 and 4
+    assert counters["rolled_back"] >= 2 * layers  # clipped step 2, skipped step 3
+    assert any(name.startswith("megatrain-optimizer") for name in threads)
+
+
+def test_backward_updates_respect_the_rollback_budget_and_a_changed_gradient():
+    """With a rollback budget for a third of the weights, the others wait for step(); gradients
+    changed in place after the backward make step() redo the updates that read them."""
+    want = _train_with_schedule(torch.float32, overlap=False)
+    got = _train_with_schedule(torch.float32, overlap="backward", rollback_bytes=12 * 12000)
+    _assert_same_training(got, want)
+    assert got[3]["over_budget"] > 0 and got[3]["speculated"] > 0
+
+    want = _train_with_schedule(torch.float32, overlap=False, scale_some_grads=True)
+    got = _train_with_schedule(torch.float32, overlap="backward", scale_some_grads=True)
+    _assert_same_training(got, want)
+    assert got[3]["rolled_back"] > 2 * 27   # the clipped and skipped steps, and the scaled gradients
+
+
+def test_a_forward_between_the_armed_backward_and_the_step_is_refused():
+    model = tiny_model("llama", layers=2)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    opt = HostAdamW(model.parameters(), lr=1e-2, overlap="backward")
+    ids, mask, labels = batch()
+    loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    opt.arm()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="arm\\(\\) right before the step's last backward"):
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    opt.step()
+    cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # allowed again
+
+
+def test_overlap_mode_is_checked():
+    with pytest.raises(ValueError, match="overlap="):
+        HostAdamW([torch.nn.Parameter(torch.zeros(2))], overlap="sometimes")

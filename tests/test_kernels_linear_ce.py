@@ -15,6 +15,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton", reason="the fused kernels need triton (pip install triton)")
+# the interpreter stays on for this module's tests only (tests/conftest.py turns it off for the
+# others: a leaked TRITON_INTERPRET=1 would run every fused op of the suite interpreted)
+pytestmark = pytest.mark.triton_interpreter
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402

@@ -161,3 +161,14 @@ def test_measured_cpu_profile_is_sane():
     hw = load_hardware("cpu", torch.float32)
     assert isinstance(hw, Hardware) and hw.name == "cpu" and not hw.overlap and hw.measure_ops
     assert 1e-3 < hw.compute_tflops < 100 and 0.1 < hw.h2d_gbps < 1000 and hw.device_memory_gib > 0.5
+
+
+def test_overlapped_step_hides_the_optimizer_under_the_backward_up_to_its_own_length():
+    """overlap_optimizer=backward in the plan: the host updates each layer as its gradients land,
+    so the step pays one layer's update after the backward, or the optimizer's whole time after
+    the first layer's gradients when the optimizer is the slower stream."""
+    from megacompile.plan import BatchEstimate
+    fast_host = BatchEstimate(1, 0, forward_seconds=4.0, backward_seconds=10.0, optimizer_seconds=5.0, layers=10)
+    assert fast_host.step_seconds == 19.0 and fast_host.overlapped_step_seconds == pytest.approx(14.5)
+    slow_host = BatchEstimate(1, 0, forward_seconds=4.0, backward_seconds=10.0, optimizer_seconds=20.0, layers=10)
+    assert slow_host.overlapped_step_seconds == pytest.approx(4.0 + 1.0 + 20.0)

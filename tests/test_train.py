@@ -330,17 +330,19 @@ def test_packing_trains_and_is_refused_for_recurrent_models(tiny_dir, tmp_path):
     check_packing(tiny_family_model("gemma2"))   # sliding + global attention is fine
 
 
-def test_non_finite_steps_are_skipped_and_counted(tiny_dir, tmp_path, monkeypatch):
-    """A step whose gradient norm is not finite leaves the weights as they were and is logged."""
-    import megacompile.train.trainer as trainer
-    real, calls = torch.nn.utils.get_total_norm, []
+@pytest.mark.parametrize("overlap", [False, "backward"])
+def test_non_finite_steps_are_skipped_and_counted(tiny_dir, tmp_path, monkeypatch, overlap):
+    """A step whose gradient norm is not finite leaves the weights as they were and is logged
+    (with overlap_optimizer=backward: the updates made during its backward are rolled back)."""
+    from megacompile.runtime.adamw import HostAdamW
+    real, calls = HostAdamW.grad_norm, []
 
-    def inf_on_second_step(grads):
+    def inf_on_second_step(self):
         calls.append(1)
-        norm = real(grads)
-        return torch.tensor(float("inf")) if len(calls) == 2 else norm
-    monkeypatch.setattr(trainer.torch.nn.utils, "get_total_norm", inf_on_second_step)
-    cfg = config(tiny_dir, tmp_path, max_steps=3, save_steps=1)
+        norm = real(self)
+        return float("inf") if len(calls) == 2 else norm
+    monkeypatch.setattr(HostAdamW, "grad_norm", inf_on_second_step)
+    cfg = config(tiny_dir, tmp_path, max_steps=3, save_steps=1, overlap_optimizer=overlap)
     state = train(cfg, progress=False)
     out = Path(cfg.output_dir)
     assert state["skipped_steps"] == 1 and [r["skipped_steps"] for r in log_rows(out)] == [0, 1, 1]
@@ -394,11 +396,17 @@ def test_report_to_tensorboard_writes_scalars(tiny_dir, tmp_path):
 
 
 def test_overlapped_optimizer_trains_exactly_like_the_plain_step(tiny_dir, tmp_path):
-    """overlap_optimizer: true (the default on CUDA) gives the same losses and checkpoints."""
-    train(config(tiny_dir, tmp_path / "a", overlap_optimizer=False), progress=False)
-    train(config(tiny_dir, tmp_path / "b", overlap_optimizer=True), progress=False)
-    a, b = log_rows(tmp_path / "a" / "out"), log_rows(tmp_path / "b" / "out")
-    assert [r["loss"] for r in a] == [r["loss"] for r in b]
-    wa = checkpoint.load_file(str(tmp_path / "a" / "out" / "checkpoint-4" / "model.safetensors"))
-    wb = checkpoint.load_file(str(tmp_path / "b" / "out" / "checkpoint-4" / "model.safetensors"))
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    """overlap_optimizer: forward (true) and backward (the default on CUDA; updates during the
+    last micro-batch's backward, rolled back when clipped) give the plain step's losses,
+    gradient norms and checkpoints."""
+    runs = {}
+    for overlap in (False, True, "backward"):
+        out = tmp_path / str(overlap)
+        train(config(tiny_dir, out, overlap_optimizer=overlap, gradient_accumulation_steps=2,
+                     max_grad_norm=0.5), progress=False)
+        rows = log_rows(out / "out")
+        weights = checkpoint.load_file(str(out / "out" / "checkpoint-4" / "model.safetensors"))
+        runs[overlap] = ([(r["loss"], r["grad_norm"]) for r in rows], weights)
+    for overlap in (True, "backward"):
+        assert runs[overlap][0] == runs[False][0], overlap
+        assert all(torch.equal(runs[overlap][1][k], w) for k, w in runs[False][1].items()), overlap

@@ -65,7 +65,9 @@ class TrainConfig:
     warmup_ratio: float = 0.0
     warmup_steps: int = 0                   # > 0 overrides warmup_ratio
     seed: int = 42
-    overlap_optimizer: bool | None = None   # AdamW on a host thread under the next forward (None: on CUDA)
+    # AdamW on host threads: false | true/forward (under the next forward) | backward (each layer's
+    # update starts during the backward, exact by rollback; runtime/adamw.py). None: backward on CUDA
+    overlap_optimizer: bool | str | None = None
     # output
     output_dir: str = ""
     logging_steps: int = 10
@@ -97,6 +99,8 @@ class TrainConfig:
              f"lr_scheduler_type={self.lr_scheduler_type!r}: use one of {', '.join(SCHEDULERS)}.")
         need(self.vision in VISION_MODES, f"vision={self.vision!r}: use one of {', '.join(VISION_MODES)}.")
         need(self.report_to in REPORTS, f"report_to={self.report_to!r}: use one of {', '.join(REPORTS)}.")
+        need(self.overlap_optimizer in (None, True, False, "none", "forward", "backward"),
+             f"overlap_optimizer={self.overlap_optimizer!r}: use false, forward (true) or backward.")
         need(self.cutoff_len >= 2, f"cutoff_len={self.cutoff_len}: needs at least 2 tokens.")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
             need(getattr(self, key) >= 1, f"{key}={getattr(self, key)}: must be at least 1.")

@@ -172,9 +172,11 @@ def lr_lambda(config: TrainConfig, total: int):
 
 def make_optimizer(model, config: TrainConfig, device: torch.device) -> HostAdamW:
     """AdamW on the host (runtime/adamw.py: one pass per parameter that also refreshes its
-    transfer copy; on a host thread overlapping the next forward when `overlap_optimizer`,
-    by default on CUDA); no weight decay on biases and norms."""
-    overlap = config.overlap_optimizer if config.overlap_optimizer is not None else device.type == "cuda"
+    transfer copy; on host threads during the backward and the next forward as `overlap_optimizer`
+    says, by default "backward" on CUDA); no weight decay on biases and norms."""
+    overlap = config.overlap_optimizer
+    if overlap is None:
+        overlap = "backward" if device.type == "cuda" else False
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]   # biases, norms
     return HostAdamW([{"params": decay, "weight_decay": config.weight_decay},
@@ -272,7 +274,6 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
 
     out = Path(config.output_dir)
     writer = _tensorboard(config, out)
-    params = [p for p in model.parameters() if p.requires_grad]
     window: list[tuple[float, int, float]] = []   # (loss, trained tokens, seconds) since the last log
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
@@ -284,18 +285,22 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
             tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
             count = torch.tensor(max(tokens, 1))
             loss = 0.0
-            for mb in micro:
+            for i, mb in enumerate(micro):
                 # sum over tokens / the step's trained tokens: accumulation gives the mean over the step
                 out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
+                if i == len(micro) - 1:
+                    optimizer.arm()   # overlap_optimizer=backward: layers update as their gradients land
                 out_mb.loss.backward()
                 loss += out_mb.loss.item()
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]).item()
+            norm = optimizer.grad_norm()
             # clipping by the global norm: the factor is applied inside the optimizer's pass
-            # (runtime/adamw.py), not by a pass of its own over the gradients
+            # (runtime/adamw.py), not by a pass of its own over the gradients; updates made during
+            # the backward are kept when it is 1 and redone otherwise
             clip = min(1.0, config.max_grad_norm / (norm + 1e-6)) if config.max_grad_norm > 0 else 1.0
             if math.isfinite(loss) and math.isfinite(norm):
                 optimizer.step(grad_scale=clip)
             else:
+                optimizer.discard()
                 state["skipped_steps"] += 1
                 bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm});"
                           " the optimizer step is skipped, the weights are unchanged.")

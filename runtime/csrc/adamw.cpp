@@ -92,5 +92,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("adamw_step", &adamw_step, "AdamW over flat fp32 buffers, writing the low-precision copy");
+  // without the GIL: the overlapped step runs on a host thread while the training thread goes on
+  module.def("adamw_step", &adamw_step, "AdamW over flat fp32 buffers, writing the low-precision copy",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
 }
