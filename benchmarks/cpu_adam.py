@@ -63,7 +63,7 @@ def main() -> None:
         def run():
             step[0] += 1
             ext.adamw_step(param.data, param.grad, m, v, low if copy else None, 1e-4, 0.9, 0.999, 1e-8, 0.01,
-                           step[0], 1.0)
+                           step[0], 1.0, 0)
         return run
 
     def torch_opt(**kw):

@@ -23,6 +23,7 @@ its forward+backward). Medians over --steps after --warmup.
     python benchmarks/overlap.py                          # Llama-3.2-3B shapes, batch 4 x 2048, H200 profile
     python benchmarks/overlap.py --model qwen2.5-7b --layers 28 --batch 2
     python benchmarks/overlap.py --device cpu --model tiny --steps 2   # smoke run of this script
+    python benchmarks/overlap.py --device cpu --model cpu-150m --batch 1 --seq 512 --skip-limit
 Host RAM needed: about 18 bytes/parameter (3B: ~58 GB; the H200 machine has 128 GiB).
 """
 from __future__ import annotations
@@ -45,6 +46,9 @@ SHAPES = {
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        max_position_embeddings=32768, tie_word_embeddings=False),
+    "cpu-150m": dict(model_type="llama", vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+                     num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=4,
+                     max_position_embeddings=4096),   # for --device cpu runs of the optimizer modes
     "tiny": dict(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
 }

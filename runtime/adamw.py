@@ -71,6 +71,8 @@ class HostAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) for megatrain's host store. Same arguments as
     torch.optim.AdamW (no amsgrad/maximize); `step(grad_scale=c)` multiplies the gradients by
     `c` inside the update (the global-norm clipping factor, without a pass of its own).
+    Overlapped updates (below) run the kernel on `host_threads` threads (default: all cores but
+    two, so the training thread that launches the device's work keeps a core).
 
     `overlap=True` (or "forward"): `step()` returns at once and a host thread updates the weights
     in the order the forward reads them; the next forward's fetch of a weight waits for that
@@ -106,7 +108,8 @@ class HostAdamW(torch.optim.Optimizer):
     updates_transfer_copies = True
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, overlap: bool | str = False, rollback_bytes: int | None = None):
+                 weight_decay: float = 1e-2, overlap: bool | str = False, rollback_bytes: int | None = None,
+                 host_threads: int | None = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"HostAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
         if overlap not in (False, True, "none", "forward", "backward"):
@@ -114,6 +117,9 @@ class HostAdamW(torch.optim.Optimizer):
                              "or 'backward' (each layer's update starts during the backward)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.overlap = overlap not in (False, "none")
+        # threads of an overlapped update: all cores but two, left to the training thread (which
+        # launches the device's kernels) and the gradient worker
+        self.host_threads = host_threads if host_threads is not None else max(1, (os.cpu_count() or 2) - 2)
         self.backward = overlap == "backward"
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -197,7 +203,7 @@ class HostAdamW(torch.optim.Optimizer):
             for dst, src in zip(snap, (weights, state["exp_avg"], state["exp_avg_sq"], state["step"])):
                 dst.copy_(src)
             self._norms[p] = torch.linalg.vector_norm(grad, 2.0)
-            self._update(p, grad, hyper, 1.0)
+            self._update(p, grad, hyper, 1.0, self.host_threads)
             self.counters["speculated"] += 1
         finally:
             entry.ready.set()
@@ -303,7 +309,7 @@ class HostAdamW(torch.optim.Optimizer):
         try:
             for _, p, grad, hyper in work:
                 try:
-                    self._update(p, grad, hyper, grad_scale)
+                    self._update(p, grad, hyper, grad_scale, self.host_threads)
                 finally:
                     entry_of(p).ready.set()
         except BaseException as e:  # re-raised by synchronize() in the training thread
@@ -320,7 +326,9 @@ class HostAdamW(torch.optim.Optimizer):
             error, self._error = self._error, None
             raise RuntimeError("megatrain: the overlapped optimizer step failed") from error
 
-    def _update(self, p, grad, hyper, grad_scale: float) -> None:
+    def _update(self, p, grad, hyper, grad_scale: float, threads: int = 0) -> None:
+        """One parameter's update; `threads` > 0 runs the kernel on that many threads of its own
+        (a host thread next to the training thread), 0 on torch's intra-op pool."""
         lr, beta1, beta2, eps, wd = hyper
         weights, low = self._buffers(p)
         state = self.state[p]
@@ -338,7 +346,7 @@ class HostAdamW(torch.optim.Optimizer):
         elif ext is not None:
             state["step"] += 1
             ext.adamw_step(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, lr, beta1, beta2, eps, wd,
-                           int(state["step"].item()), grad_scale)
+                           int(state["step"].item()), grad_scale, threads)
         else:
             state["step"] += 1
             _fallback(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, state["step"], lr, beta1, beta2,

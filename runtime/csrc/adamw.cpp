@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,11 +30,27 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+constexpr int64_t kGrain = 1 << 15;
+
+// body(begin, end) over [0, n): on torch's intra-op pool (threads == 0), or on `threads` OpenMP
+// threads of the calling thread's own team (an update on a host thread next to the training
+// thread leaves it and the gradient worker their cores instead of taking torch's whole pool)
+template <typename F>
+void parallel(int64_t n, int64_t threads, const F& body) {
+  if (threads <= 0) {
+    at::parallel_for(0, n, kGrain, body);
+    return;
+  }
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) body(c * kGrain, std::min(n, (c + 1) * kGrain));
+}
+
 template <int LOW>  // 0: no copy, 1: bf16, 2: fp16
 void run(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
          void* low, int64_t n, float decay, float beta1, float beta2, float one_minus_beta1,
-         float one_minus_beta2, float eps, float step_size, float bc2_sqrt, float grad_scale) {
-  at::parallel_for(0, n, 1 << 15, [&](int64_t begin, int64_t end) {
+         float one_minus_beta2, float eps, float step_size, float bc2_sqrt, float grad_scale, int64_t threads) {
+  parallel(n, threads, [&](int64_t begin, int64_t end) {
 #pragma omp simd
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i] * grad_scale;
@@ -59,7 +76,7 @@ void check(const torch::Tensor& t, const char* name, int64_t n) {
 
 void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                 c10::optional<torch::Tensor> low, double lr, double beta1, double beta2, double eps,
-                double weight_decay, int64_t step, double grad_scale) {
+                double weight_decay, int64_t step, double grad_scale, int64_t threads) {
   const int64_t n = param.numel();
   check(param, "param", n);
   check(grad, "grad", n);
@@ -77,17 +94,17 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   const float decay = 1.0 - lr * weight_decay, b1 = beta1, b2 = beta2, omb1 = 1.0 - beta1, omb2 = 1.0 - beta2;
   const float f_eps = eps, f_gs = grad_scale;
   if (!low.has_value()) {
-    run<0>(p, g, m, v, nullptr, n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs);
+    run<0>(p, g, m, v, nullptr, n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
     return;
   }
   const torch::Tensor& out = *low;
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.numel() == n,
               "low must be a contiguous CPU tensor with ", n, " elements");
   if (out.scalar_type() == torch::kBFloat16) {
-    run<1>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs);
+    run<1>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
   } else {
     TORCH_CHECK(out.scalar_type() == torch::kHalf, "low must be bfloat16 or float16");
-    run<2>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs);
+    run<2>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
   }
 }
 
