@@ -203,13 +203,13 @@ def test_a_dead_parameter_never_drops_the_entry_of_a_newer_one_at_its_id():
 
 
 # overlap="backward": speculative updates during the backward, exact by rollback -----------------
-def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=False):
+def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=False, make=None, options=None):
     """Four steps through every outcome of a speculative step: kept (no clipping), clipped
     (rolled back, redone with the factor), skipped (rolled back), after gradient accumulation
     (speculating only in the last backward). Returns losses, norms, masters, moments, counters."""
     torch._dynamo.reset()
-    model = tiny_model("llama", layers=3, dtype=dtype)
-    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    model = make() if make is not None else tiny_model("llama", layers=3, dtype=dtype)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **(options or {})})
     opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, overlap=overlap, rollback_bytes=rollback_bytes)
     losses, norms = [], []
     for step, (max_norm, accumulation, skip) in enumerate([(1e9, 1, False), (1e-3, 1, False), (1e9, 1, True),
@@ -286,6 +286,32 @@ def test_backward_updates_respect_the_rollback_budget_and_a_changed_gradient():
     got = _train_with_schedule(torch.float32, overlap="backward", scale_some_grads=True)
     _assert_same_training(got, want)
     assert got[3]["rolled_back"] > 2 * 27   # the clipped and skipped steps, and the scaled gradients
+
+
+@pytest.mark.parametrize("family", ["qwen3-tied", "qwen3_moe-routed"])
+def test_backward_updates_with_tied_weights_and_routed_experts(family):
+    """A tied embedding is read by the first and the last segment (its gradient is complete
+    only at the end of the backward); routed experts land only their routed rows. Both train
+    exactly as with the plain step, every weight updated during the backward."""
+    if family == "qwen3-tied":
+        def make():
+            return tiny_model("qwen3", layers=3)
+        options = {}
+    else:
+        from test_routed_experts import many_experts
+
+        def make():
+            return many_experts("qwen3_moe")
+        options = {"routed_experts": True}
+    want = _train_with_schedule(torch.float32, overlap=False, make=make, options=options)
+    got = _train_with_schedule(torch.float32, overlap="backward", make=make, options=options)
+    _assert_same_training(got, want)
+    counters = got[3]
+    # every weight updated during each backward (none before its last contribution: that
+    # would be rolled back in the kept steps too), kept in steps 1 and 4, undone in 2 and 3
+    params = sum(1 for _ in make().parameters())
+    assert counters["speculated"] == 4 * params, counters
+    assert counters["kept"] == counters["rolled_back"] == 2 * params, counters
 
 
 def test_a_forward_between_the_armed_backward_and_the_step_is_refused():
