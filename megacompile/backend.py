@@ -197,6 +197,7 @@ class Program:
             "h2d_bytes": self.pool.counters.h2d_bytes,
             "h2d_copies": self.pool.counters.h2d_copies,
             "arena_weights": len(self.arena_rows or ()),
+            "grad_slab_bytes": self.grads.slabs.nbytes if self.grads.slabs is not None else 0,
             "inductor_bodies": sum(r.get("lowering") == "inductor" for recs in self.lowering_records.values()
                                    for r in recs.values()),
             "d2h_bytes": self._step.get("d2h_bytes", 0),

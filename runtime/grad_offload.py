@@ -10,8 +10,10 @@ parameter in host memory, single-threaded) would run on the compute path between
 On CUDA the copies run on their own stream after the compute stream has produced the gradients
 (`wait_stream`); the device tensors are marked as used by that stream (`record_stream`), so the
 caching allocator does not hand their memory to the next body before the copy has read it; the
-host copies are pinned (torch allocates a pinned destination for a non-blocking device-to-host
-copy, from its caching host allocator). On the CPU ("device" = host) there is nothing to copy
+host copies land in pinned gradient slabs, a ring per layer kind registered once
+(runtime/host_arena.py `GradSlabs`; a slab is reused once the landing that read it is done),
+instead of a pinned block per gradient from torch's caching host allocator (routed expert rows,
+whose count changes every step, still take that path). On the CPU ("device" = host) there is nothing to copy
 and the worker does the accumulation, which still overlaps the next body.
 
 Completion: the executor flags the offload that completes a weight's gradient for this backward
@@ -33,6 +35,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+
+from .host_arena import GradSlabs
 
 _WORKER: ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
@@ -79,6 +83,10 @@ def _worker() -> ThreadPoolExecutor:
         return _WORKER
 
 
+#: stage gradients through slabs on the CPU too (there they are an extra copy: for tests)
+SLABS_ON_CPU = False
+
+
 class GradOffloader:
     def __init__(self, device: torch.device, overlap: bool = True, max_pending: int = 2):
         self.device = device
@@ -86,6 +94,9 @@ class GradOffloader:
         self.max_pending = max(1, max_pending)
         self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
         self.pending: collections.deque[Future] = collections.deque()
+        # pinned staging per layer kind (runtime/host_arena.py): one more slab than landings in flight
+        self.slabs = (GradSlabs(self.max_pending + 1, pin=True) if self.stream is not None
+                      else GradSlabs(self.max_pending + 1, pin=False) if overlap and SLABS_ON_CPU else None)
 
     def offload(self, items: list[tuple["WeightEntry", torch.Tensor, list[int] | None, bool]]) -> int:  # noqa: F821
         """Send one segment's gradients (entry, device gradient, routed rows or None, whether
@@ -99,24 +110,41 @@ class GradOffloader:
             return moved
         event = None
         staged = []
+        # whole gradients go through a slab of their kind; routed rows (a different count every
+        # step) through the allocator as before
+        whole = [it for it in items if it[2] is None]
+        slab = self.slabs.take([grad for _, grad, _, _ in whole]) if self.slabs is not None and whole else None
+        views = dict(zip(map(id, whole), slab.views)) if slab is not None else {}
         if self.stream is not None:
             # copies (and routed-row gathers) on the D2H stream, after the body that made the grads
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                for entry, grad, rows, final in items:
-                    host, moved = entry.stage_grad(grad, rows, non_blocking=True)
+                for item in items:
+                    entry, grad, rows, final = item
+                    if id(item) in views:
+                        host, moved = views[id(item)], grad.numel() * grad.element_size()
+                        host.copy_(grad, non_blocking=True)
+                    else:
+                        host, moved = entry.stage_grad(grad, rows, non_blocking=True)
                     grad.record_stream(self.stream)
-                    staged.append((entry, host, rows, final, moved))
+                    staged.append((entry, host, rows, final, id(item) in views, moved))
             event = torch.cuda.Event()
             event.record(self.stream)
         else:
-            for entry, grad, rows, final in items:
-                host, moved = entry.stage_grad(grad, rows)
-                staged.append((entry, host, rows, final, moved))
+            for item in items:
+                entry, grad, rows, final = item
+                if id(item) in views:
+                    host, moved = views[id(item)].copy_(grad), grad.numel() * grad.element_size()
+                else:
+                    host, moved = entry.stage_grad(grad, rows)
+                staged.append((entry, host, rows, final, id(item) in views, moved))
         while len(self.pending) >= self.max_pending:
             self.pending.popleft().result()
-        self.pending.append(_worker().submit(_land, event, [s[:4] for s in staged]))
-        return sum(s[4] for s in staged)
+        future = _worker().submit(_land, event, [s[:5] for s in staged])
+        self.pending.append(future)
+        if slab is not None:
+            slab.busy = future
+        return sum(s[5] for s in staged)
 
     def drain(self) -> None:
         """Return once every offloaded gradient is in `param.grad` (re-raises a worker error)."""
@@ -127,7 +155,7 @@ class GradOffloader:
 def _land(event, staged) -> None:
     if event is not None:
         event.synchronize()   # the copies into the pinned host tensors are complete
-    for entry, host, rows, final in staged:
-        entry.add_host_grad(host, rows)
+    for entry, host, rows, final, borrowed in staged:
+        entry.add_host_grad(host, rows, borrowed)
         if final:
             _completed(entry)

@@ -131,3 +131,56 @@ def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
             if i not in rows:
                 _pin_alone(entry)
     return rows
+
+
+# gradient slabs ---------------------------------------------------------------------------
+@dataclass(eq=False)
+class GradSlab:
+    buffer: torch.Tensor               # uint8 [nbytes], pinned with its ring
+    views: list[torch.Tensor]          # one per gradient of the segment, in offload order
+    busy: object = None                # the Future of the landing that reads it, until it is done
+
+
+class GradSlabs:
+    """Pinned host staging for the gradients a segment sends back, per layer kind.
+
+        ring per kind (gradient shapes and dtypes)   slab 0 | slab 1 | slab 2      depth = in flight + 1
+        slab                                          | dq_proj | pad | dk_proj | pad | ... |
+        offload(layer L)   D2H copies into the next slab of L's kind; the landing adds it into
+                           param.grad (fp32) and frees the slab for a later layer of that kind
+
+    Why: a non-blocking copy to the host needs pinned memory, and `tensor.to("cpu",
+    non_blocking=True)` takes it from torch's caching host allocator, a power-of-two block per
+    gradient per layer. The slabs are registered once (`cudaHostRegister`, exact bytes) and
+    reused every layer; a slab is handed out again only once the landing that read it is done.
+    """
+
+    def __init__(self, depth: int, pin: bool):
+        self.depth = max(2, depth)
+        self.pin = pin
+        self.rings: dict[tuple, list[GradSlab]] = {}
+        self.turn: dict[tuple, int] = collections.Counter()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.buffer.numel() for ring in self.rings.values() for s in ring)
+
+    def take(self, grads: list[torch.Tensor]) -> GradSlab:
+        """A free slab for these gradients' shapes and dtypes (waiting for its last landing)."""
+        signature = tuple((tuple(g.shape), g.dtype) for g in grads)
+        ring = self.rings.get(signature)
+        if ring is None:
+            offsets, nbytes = layout(list(signature))
+            ring = []
+            for _ in range(self.depth):
+                buffer = _allocate(nbytes, self.pin)
+                views = [buffer[off: off + dtype.itemsize * int(torch.Size(shape).numel())].view(dtype).view(shape)
+                         for (shape, dtype), off in zip(signature, offsets)]
+                ring.append(GradSlab(buffer, views))
+            self.rings[signature] = ring
+        slab = ring[self.turn[signature] % len(ring)]
+        self.turn[signature] += 1
+        if slab.busy is not None:
+            slab.busy.result()   # (its landing's error, if any, is raised by drain() as well)
+            slab.busy = None
+        return slab

@@ -80,8 +80,9 @@ class WeightEntry:
         host = grad if grad.device.type == "cpu" else grad.to("cpu", non_blocking=non_blocking)
         return host, grad.numel() * grad.element_size()
 
-    def add_host_grad(self, host: torch.Tensor, rows: list[int] | None = None) -> None:
-        """Add a host gradient (all rows, or `rows` of dim 0) into `param.grad` as fp32."""
+    def add_host_grad(self, host: torch.Tensor, rows: list[int] | None = None, borrowed: bool = False) -> None:
+        """Add a host gradient (all rows, or `rows` of dim 0) into `param.grad` as fp32.
+        `borrowed`: `host` is reused afterwards (a gradient slab), so it never becomes the grad."""
         p = self.param
         self.wait_ready()   # (the optimizer may still read the previous step's gradient)
         want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
@@ -94,7 +95,7 @@ class WeightEntry:
         if p.grad is not None:
             p.grad.add_(host)
         elif host.dtype == p.dtype:
-            p.grad = host.contiguous()
+            p.grad = host.clone(memory_format=torch.contiguous_format) if borrowed else host.contiguous()
         else:
             # A grad must match its tensor's dtype when assigned, so assign the fp32 grad while the
             # parameter shows its fp32 master; it survives the switch back to the transfer copy.

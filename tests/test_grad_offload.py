@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import megacompile
 from conftest import batch, tiny_model
 from megacompile.runtime import grad_offload
 
@@ -48,11 +49,21 @@ def _train(model, overlap: bool, steps: int = 2, accumulation: int = 2):
     return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("family,dtype", [("llama", torch.bfloat16), ("qwen3", torch.float32)])
-def test_overlapped_offload_is_bit_identical(family, dtype, slow_worker):
-    model = tiny_model(family, dtype=dtype)
+@pytest.mark.parametrize("family,dtype,slabs", [("llama", torch.bfloat16, False), ("qwen3", torch.float32, False),
+                                                ("llama", torch.bfloat16, True), ("qwen3", torch.float32, True)])
+def test_overlapped_offload_is_bit_identical(family, dtype, slabs, slow_worker, monkeypatch):
+    """slabs: the gradients staged through the per-kind pinned slab rings as on CUDA (here an
+    extra copy): with the slowed worker, a slab is handed out again only after its landing."""
+    monkeypatch.setattr(grad_offload, "SLABS_ON_CPU", slabs)
+    model = tiny_model(family, dtype=dtype, layers=4)
     ref = copy.deepcopy(model)
     got = _train(model, overlap=True)
+    slab_bytes = megacompile.stats(model)["grad_slab_bytes"]
+    assert (slab_bytes > 0) == slabs
+    if slabs:   # a ring of 3 slabs per kind, reused: at most 3 gradients' worth of each weight (4
+        # steps x 4 layers of fresh staging would be over 16 layers' worth)
+        params = list(model.parameters())
+        assert slab_bytes <= 3 * sum(p.numel() * p.element_size() + 256 for p in params)
     assert slow_worker and not any(slow_worker), "gradients were not added on the worker thread"
     calls = len(slow_worker)
     want = _train(ref, overlap=False)
