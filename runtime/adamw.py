@@ -96,7 +96,9 @@ class HostAdamW(torch.optim.Optimizer):
     `rollback_bytes`; weights beyond that budget wait for `step()`). `step(grad_scale=c)` keeps
     the speculative updates when c == 1 and the gradient is the one they read; otherwise (the
     norm was clipped, the gradient was changed in place, a hyper-parameter changed) it restores
-    the copy and updates again with c. Between the armed backward and `step()` no megatrain
+    the copy and updates again with c (on the host thread that runs the forward overlap). After
+    a clipped step the next `arm()` does nothing (counted as "paused") until a step is not
+    clipped: while clipping lasts, speculation would only cost. Between the armed backward and `step()` no megatrain
     forward or backward may run (they would read updated weights): they raise an error. `discard()` (a step skipped for non-finite
     gradients; also `zero_grad()` without a step) restores every copy. Results equal the
     non-overlapped step's bit for bit (tests/test_host_adamw.py). `grad_norm()` is the global
@@ -133,7 +135,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._snap_bytes = 0
         self._futures: list[Future] = []
         self._pool: ThreadPoolExecutor | None = None
-        self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0}
+        self._speculate_next = True
+        self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0, "paused": 0}
 
     @staticmethod
     def _buffers(p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -149,9 +152,16 @@ class HostAdamW(torch.optim.Optimizer):
         weight as soon as its gradient is complete. Needs overlap="backward" (else a no-op)."""
         if not self.backward or self._armed:
             return
+        if not self._speculate_next:   # the last step was clipped: this one updates in step()
+            self.counters["paused"] += 1
+            return
         self.synchronize()
-        if self.rollback_bytes is None:   # half of what the host has free now, decided once
-            self.rollback_bytes = _available_host_bytes() // 2
+        if self.rollback_bytes is None:
+            # decided once: half of what the host has free, less the moments not allocated yet
+            # (they come with the first update)
+            unborn = sum(2 * self._buffers(p)[0].numel() * 4 for g in self.param_groups for p in g["params"]
+                         if not self.state[p])
+            self.rollback_bytes = max(0, _available_host_bytes() - unborn) // 2
         self._hyper = {p: (g["lr"], *g["betas"], g["eps"], g["weight_decay"])
                        for g in self.param_groups for p in g["params"]}
         if self._pool is None:
@@ -276,30 +286,36 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []   # (order, parameter, its gradient, hyper-parameters) captured now
+        # speculate in the next backward only if this step was not clipped: while the norm is
+        # clipped, the copies and rollbacks would be paid for nothing (exact either way)
+        self._speculate_next = grad_scale == 1.0
+        work = []   # (order, parameter, its gradient, hyper-parameters, undo a speculative update first)
         for group in self.param_groups:
             hyper = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
             for p in group["params"]:
                 done = spec.pop(p, None)
-                if done is not None:
-                    if grad_scale == 1.0 and done[0] is p.grad and done[1] == p.grad._version and done[2] == hyper:
-                        self.counters["kept"] += 1
-                        continue
-                    self._rollback(p)   # clipped, or the gradient or the hyper-parameters changed
+                undo = done is not None
+                if undo and grad_scale == 1.0 and done[0] is p.grad and done[1] == p.grad._version \
+                        and done[2] == hyper:
+                    self.counters["kept"] += 1
+                    continue
+                # (otherwise: clipped, or the gradient or the hyper-parameters changed since)
                 if p.grad is None:
+                    if undo:
+                        self._rollback(p)
                     continue
                 self._init_state(p)
                 entry = entry_of(p)
-                work.append((entry.order if entry is not None else -1, p, p.grad, hyper))
+                work.append((entry.order if entry is not None else -1, p, p.grad, hyper, undo))
         for p in spec:   # updated during the backward but not a parameter of any group now
             self._rollback(p)
         work.sort(key=lambda w: w[0])   # the order the forward reads the weights
         later = [w for w in work if w[0] >= 0] if self.overlap else []
-        for w in work if not later else [w for w in work if w[0] < 0]:   # outside the store: now
-            self._update(*w[1:], grad_scale)
+        for _, p, grad, hyper, undo in work if not later else [w for w in work if w[0] < 0]:   # outside the store: now
+            self._update(p, grad, hyper, grad_scale, undo=undo)
         if later:
-            for _, p, _, _ in later:
-                entry_of(p).ready.clear()
+            for w in later:
+                entry_of(w[1]).ready.clear()
             self._worker = threading.Thread(target=self._run, args=(later, grad_scale), daemon=True,
                                             name="megatrain-optimizer")
             self._worker.start()
@@ -307,15 +323,15 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _run(self, work, grad_scale: float) -> None:
         try:
-            for _, p, grad, hyper in work:
-                try:
-                    self._update(p, grad, hyper, grad_scale, self.host_threads)
+            for _, p, grad, hyper, undo in work:
+                try:   # (a rollback, too, runs here: it is as long as a third of the update)
+                    self._update(p, grad, hyper, grad_scale, self.host_threads, undo=undo)
                 finally:
                     entry_of(p).ready.set()
         except BaseException as e:  # re-raised by synchronize() in the training thread
             self._error = e
-            for _, p, _, _ in work:
-                entry_of(p).ready.set()
+            for w in work:
+                entry_of(w[1]).ready.set()
 
     def synchronize(self) -> None:
         """Wait for an overlapped step to finish (re-raising its error, if any)."""
@@ -326,9 +342,12 @@ class HostAdamW(torch.optim.Optimizer):
             error, self._error = self._error, None
             raise RuntimeError("megatrain: the overlapped optimizer step failed") from error
 
-    def _update(self, p, grad, hyper, grad_scale: float, threads: int = 0) -> None:
+    def _update(self, p, grad, hyper, grad_scale: float, threads: int = 0, undo: bool = False) -> None:
         """One parameter's update; `threads` > 0 runs the kernel on that many threads of its own
-        (a host thread next to the training thread), 0 on torch's intra-op pool."""
+        (a host thread next to the training thread), 0 on torch's intra-op pool. `undo`: restore
+        the copy taken before this step's speculative update first."""
+        if undo:
+            self._rollback(p)
         lr, beta1, beta2, eps, wd = hyper
         weights, low = self._buffers(p)
         state = self.state[p]

@@ -204,16 +204,17 @@ def test_a_dead_parameter_never_drops_the_entry_of_a_newer_one_at_its_id():
 
 # overlap="backward": speculative updates during the backward, exact by rollback -----------------
 def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=False, make=None, options=None):
-    """Four steps through every outcome of a speculative step: kept (no clipping), clipped
-    (rolled back, redone with the factor), skipped (rolled back), after gradient accumulation
-    (speculating only in the last backward). Returns losses, norms, masters, moments, counters."""
+    """Five steps through every outcome of a speculative step: kept (no clipping), skipped
+    (rolled back), kept after gradient accumulation (speculating only in the last backward),
+    clipped (rolled back, redone with the factor), then not speculated (paused after a clipped
+    step). Returns losses, norms, masters, moments, transfer copies, counters."""
     torch._dynamo.reset()
     model = make() if make is not None else tiny_model("llama", layers=3, dtype=dtype)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **(options or {})})
     opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, overlap=overlap, rollback_bytes=rollback_bytes)
     losses, norms = [], []
-    for step, (max_norm, accumulation, skip) in enumerate([(1e9, 1, False), (1e-3, 1, False), (1e9, 1, True),
-                                                           (1e9, 2, False)]):
+    for step, (max_norm, accumulation, skip) in enumerate([(1e9, 1, False), (1e9, 1, True), (1e9, 2, False),
+                                                           (1e-3, 1, False), (1e9, 1, False)]):
         for micro in range(accumulation):
             ids, mask, labels = batch(seed=10 * step + micro)
             loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
@@ -269,8 +270,9 @@ def test_updates_during_the_backward_equal_the_step_after_it(dtype, monkeypatch)
     counters = got[3]
     layers = 3 * 9   # a tiny Llama layer's 9 weights
     assert counters["speculated"] >= 4 * layers   # every step speculated its layers
-    assert counters["kept"] >= 2 * layers         # steps 1 and 4
-    assert counters["rolled_back"] >= 2 * layers  # clipped step 2, skipped step 3
+    assert counters["kept"] >= 2 * layers         # steps 1 and 3
+    assert counters["rolled_back"] >= 2 * layers  # skipped step 2, clipped step 4
+    assert counters["paused"] == 1                # step 5, after the clipped one
     assert any(name.startswith("megatrain-optimizer") for name in threads)
 
 
@@ -285,7 +287,7 @@ def test_backward_updates_respect_the_rollback_budget_and_a_changed_gradient():
     want = _train_with_schedule(torch.float32, overlap=False, scale_some_grads=True)
     got = _train_with_schedule(torch.float32, overlap="backward", scale_some_grads=True)
     _assert_same_training(got, want)
-    assert got[3]["rolled_back"] > 2 * 27   # the clipped and skipped steps, and the scaled gradients
+    assert got[3]["rolled_back"] > 2 * 27   # the skipped and clipped steps, and the scaled gradients
 
 
 @pytest.mark.parametrize("family", ["qwen3-tied", "qwen3_moe-routed"])
@@ -307,8 +309,8 @@ def test_backward_updates_with_tied_weights_and_routed_experts(family):
     got = _train_with_schedule(torch.float32, overlap="backward", make=make, options=options)
     _assert_same_training(got, want)
     counters = got[3]
-    # every weight updated during each backward (none before its last contribution: that
-    # would be rolled back in the kept steps too), kept in steps 1 and 4, undone in 2 and 3
+    # every weight updated during each armed backward (none before its last contribution: that
+    # would be rolled back in the kept steps too), kept in steps 1 and 3, undone in 2 and 4
     params = sum(1 for _ in make().parameters())
     assert counters["speculated"] == 4 * params, counters
     assert counters["kept"] == counters["rolled_back"] == 2 * params, counters
