@@ -15,6 +15,6 @@ pip install -q hypothesis safetensors pyyaml networkx tqdm ninja >> "$OUT/instal
 timeout 150 python -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_kernels_linear_ce.py -q -x \
   > "$OUT/tests.txt" 2>&1; echo "tests rc=$?" >> "$OUT/tests.txt"
 timeout 60 python benchmarks/cpu_adam.py --params 256e6 > "$OUT/cpu_adam.txt" 2>&1
-timeout 300 python benchmarks/overlap.py --steps 4 --warmup 2 > "$OUT/overlap.txt" 2>&1
+timeout 360 python -u benchmarks/overlap.py --steps 4 --warmup 2 > "$OUT/overlap.txt" 2>&1
 echo "overlap rc=$?" >> "$OUT/overlap.txt"
 tail -n 3 "$OUT"/*.txt

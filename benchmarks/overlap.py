@@ -160,22 +160,22 @@ def main() -> None:
                 ("megatrain", lambda: megatrain_step(args, device, data, False, ENGINE)),
                 ("megatrain +overlap fwd", lambda: megatrain_step(args, device, data, "forward", ENGINE)),
                 ("megatrain +overlap bwd", lambda: megatrain_step(args, device, data, "backward", ENGINE))]
-    for name, make in configs:
+    print(f"{args.model}: batch {args.batch} x seq {args.seq} = {tokens} tokens, {args.dtype}, device {device}, "
+          f"torch {torch.__version__}")
+    print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}", flush=True)
+    for name, make in configs:   # each row printed as it is measured: a run cut short keeps its rows
         model, step = make()
         params = sum(p.numel() for p in model.parameters())
-        results[name] = run(step, args, device)
+        r = results[name] = run(step, args, device)
         del model, step
         torch._dynamo.reset()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"{args.model}: {params / 1e9:.2f}B parameters, batch {args.batch} x seq {args.seq} = {tokens} tokens, "
-          f"{args.dtype}, device {device}, torch {torch.__version__}")
-    print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}")
-    for name, r in results.items():
         tflops = 6 * params * tokens / r["step"] / 1e12
         mfu = f"{tflops / peak_tflops:.1%}" if peak_tflops else "-"
         print(f"{name:<40} {r['step']:>8.3f} {r['fwd_bwd']:>8.3f} {r['optimizer']:>7.3f} {tokens / r['step']:>9.0f} "
-              f"{tflops:>8.1f} {mfu:>6}")
+              f"{tflops:>8.1f} {mfu:>6}", flush=True)
+    print(f"{params / 1e9:.2f}B parameters")
     limit = next((r for n, r in results.items() if n.startswith("limit")), None)
     for name in ("megatrain plain", "megatrain", "megatrain +overlap fwd", "megatrain +overlap bwd"):
         r = results[name]
