@@ -31,6 +31,7 @@ the next `offload()`.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -74,12 +75,22 @@ def _completed(entry) -> None:
         fn(entry)
 
 
+def _landing_threads() -> int:
+    """Threads for a landing's torch ops (fp32 conversion and add). torch's OpenMP team size is
+    per calling thread: left at its default, the worker would start a team as large as the
+    training thread's, and with the optimizer's threads (HostAdamW.host_threads) during the
+    backward the cores would be oversubscribed three times. Half of what is left after the
+    training thread and one more. (On this 2-core CI machine 1 thread vs 2 measured the same.)"""
+    return max(1, ((os.cpu_count() or 2) - 2) // 2)
+
+
 def _worker() -> ThreadPoolExecutor:
     """One host thread for every program: landings are first in, first out across programs too."""
     global _WORKER
     with _WORKER_LOCK:
         if _WORKER is None:
-            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-grads")
+            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-grads",
+                                         initializer=torch.set_num_threads, initargs=(_landing_threads(),))
         return _WORKER
 
 
