@@ -52,6 +52,15 @@ def kernel():
     return _KERNEL[0]
 
 
+#: HostAdamW's `overlap` values (also accepted by `megatrain train`'s overlap_optimizer)
+OVERLAP_MODES = (False, True, "none", "forward", "backward")
+
+
+def _hyper(group: dict) -> tuple:
+    """A parameter group's (lr, beta1, beta2, eps, weight_decay), as `_update` takes them."""
+    return (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+
+
 def _available_host_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -98,11 +107,12 @@ class HostAdamW(torch.optim.Optimizer):
     norm was clipped, the gradient was changed in place, a hyper-parameter changed) it restores
     the copy and updates again with c (on the host thread that runs the forward overlap). After
     a clipped step the next `arm()` does nothing (counted as "paused") until a step is not
-    clipped: while clipping lasts, speculation would only cost. Between the armed backward and `step()` no megatrain
-    forward or backward may run (they would read updated weights): they raise an error. `discard()` (a step skipped for non-finite
-    gradients; also `zero_grad()` without a step) restores every copy. Results equal the
-    non-overlapped step's bit for bit (tests/test_host_adamw.py). `grad_norm()` is the global
-    L2 norm of the gradients, with the speculatively updated weights' norms taken as they land.
+    clipped: while clipping lasts, speculation would only cost. Between the armed backward and
+    `step()` no megatrain forward or backward may run (they would read updated weights): they
+    raise an error. `discard()` (a step skipped for non-finite gradients; also `zero_grad()`
+    without a step) restores every copy. Results equal the non-overlapped step's bit for bit
+    (tests/test_host_adamw.py). `grad_norm()` is the global L2 norm of the gradients, with the
+    speculatively updated weights' norms taken as they land.
     """
 
     # the store's optimizer hooks leave this optimizer's parameters alone: it reads the fp32
@@ -114,7 +124,7 @@ class HostAdamW(torch.optim.Optimizer):
                  host_threads: int | None = None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"HostAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
-        if overlap not in (False, True, "none", "forward", "backward"):
+        if overlap not in OVERLAP_MODES:
             raise ValueError(f"HostAdamW: overlap={overlap!r}; use False, True/'forward' (under the next forward) "
                              "or 'backward' (each layer's update starts during the backward)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
@@ -162,8 +172,7 @@ class HostAdamW(torch.optim.Optimizer):
             unborn = sum(2 * self._buffers(p)[0].numel() * 4 for g in self.param_groups for p in g["params"]
                          if not self.state[p])
             self.rollback_bytes = max(0, _available_host_bytes() - unborn) // 2
-        self._hyper = {p: (g["lr"], *g["betas"], g["eps"], g["weight_decay"])
-                       for g in self.param_groups for p in g["params"]}
+        self._hyper = {p: _hyper(g) for g in self.param_groups for p in g["params"]}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
         self._armed = True
@@ -251,6 +260,11 @@ class HostAdamW(torch.optim.Optimizer):
             self._rollback(p)
         self._norms = {}
 
+    @staticmethod
+    def _read_this_grad(p, spec: tuple | None) -> bool:
+        """Whether a speculative update (`spec`: gradient, its version, hyper) read `p.grad` as it is now."""
+        return spec is not None and spec[0] is p.grad and spec[1] == p.grad._version
+
     @torch.no_grad()
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients (as torch.nn.utils.get_total_norm; the weights updated
@@ -261,8 +275,7 @@ class HostAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                spec = self._spec.get(p)
-                valid = spec is not None and spec[0] is p.grad and spec[1] == p.grad._version
+                valid = self._read_this_grad(p, self._spec.get(p))
                 norms.append(self._norms[p] if valid else torch.linalg.vector_norm(p.grad, 2.0))
         if not norms:
             return 0.0
@@ -291,12 +304,11 @@ class HostAdamW(torch.optim.Optimizer):
         self._speculate_next = grad_scale == 1.0
         work = []   # (order, parameter, its gradient, hyper-parameters, undo a speculative update first)
         for group in self.param_groups:
-            hyper = (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
+            hyper = _hyper(group)
             for p in group["params"]:
                 done = spec.pop(p, None)
                 undo = done is not None
-                if undo and grad_scale == 1.0 and done[0] is p.grad and done[1] == p.grad._version \
-                        and done[2] == hyper:
+                if undo and grad_scale == 1.0 and self._read_this_grad(p, done) and done[2] == hyper:
                     self.counters["kept"] += 1
                     continue
                 # (otherwise: clipped, or the gradient or the hyper-parameters changed since)

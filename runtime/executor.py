@@ -84,9 +84,9 @@ class DirectionRunner:
         for name in self.output_spec:
             if isinstance(name, str) and name not in self.offloaded:
                 self.last_use[name] = _ALWAYS
-        # the grad_offload step that completes each weight's gradient in this backward (a tied
-        # weight gets one contribution per segment that reads it): from there an optimizer armed
-        # for the backward may update it (runtime/adamw.py, overlap="backward")
+        # the grad_offload step that completes each weight's gradient in this backward (the last,
+        # should several segments send a contribution): from there an optimizer armed for the
+        # backward may update it (runtime/adamw.py, overlap="backward")
         self.final_offload: dict[int, int] = {}
         for step in self.schedule.steps:
             if step.op == "grad_offload":

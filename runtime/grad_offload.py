@@ -42,8 +42,6 @@ from .host_arena import GradSlabs
 _WORKER: ThreadPoolExecutor | None = None
 _WORKER_LOCK = threading.Lock()
 _LISTENERS: list = []   # fn(entry): that weight's gradient for this backward is complete
-
-
 _GUARDS: list = []      # guard() -> None, or why no forward or backward may run now
 
 
@@ -120,35 +118,33 @@ class GradOffloader:
                     _completed(entry)
             return moved
         event = None
-        staged = []
         # whole gradients go through a slab of their kind; routed rows (a different count every
         # step) through the allocator as before
         whole = [it for it in items if it[2] is None]
         slab = self.slabs.take([grad for _, grad, _, _ in whole]) if self.slabs is not None and whole else None
         views = dict(zip(map(id, whole), slab.views)) if slab is not None else {}
+        non_blocking = self.stream is not None
+
+        def stage(item):   # -> (entry, host tensor, rows, final, borrowed (a slab view), bytes moved)
+            entry, grad, rows, final = item
+            view = views.get(id(item))
+            if view is None:
+                host, moved = entry.stage_grad(grad, rows, non_blocking=non_blocking)
+            else:
+                host, moved = view.copy_(grad, non_blocking=non_blocking), grad.numel() * grad.element_size()
+            return entry, host, rows, final, view is not None, moved
+
         if self.stream is not None:
             # copies (and routed-row gathers) on the D2H stream, after the body that made the grads
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                for item in items:
-                    entry, grad, rows, final = item
-                    if id(item) in views:
-                        host, moved = views[id(item)], grad.numel() * grad.element_size()
-                        host.copy_(grad, non_blocking=True)
-                    else:
-                        host, moved = entry.stage_grad(grad, rows, non_blocking=True)
+                staged = [stage(item) for item in items]
+                for _, grad, _, _ in items:
                     grad.record_stream(self.stream)
-                    staged.append((entry, host, rows, final, id(item) in views, moved))
             event = torch.cuda.Event()
             event.record(self.stream)
         else:
-            for item in items:
-                entry, grad, rows, final = item
-                if id(item) in views:
-                    host, moved = views[id(item)].copy_(grad), grad.numel() * grad.element_size()
-                else:
-                    host, moved = entry.stage_grad(grad, rows)
-                staged.append((entry, host, rows, final, id(item) in views, moved))
+            staged = [stage(item) for item in items]
         while len(self.pending) >= self.max_pending:
             self.pending.popleft().result()
         future = _worker().submit(_land, event, [s[:5] for s in staged])

@@ -21,6 +21,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..options import Options
+from ..runtime.adamw import OVERLAP_MODES
 from ..vlm import VISION_MODES
 
 SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -99,7 +100,7 @@ class TrainConfig:
              f"lr_scheduler_type={self.lr_scheduler_type!r}: use one of {', '.join(SCHEDULERS)}.")
         need(self.vision in VISION_MODES, f"vision={self.vision!r}: use one of {', '.join(VISION_MODES)}.")
         need(self.report_to in REPORTS, f"report_to={self.report_to!r}: use one of {', '.join(REPORTS)}.")
-        need(self.overlap_optimizer in (None, True, False, "none", "forward", "backward"),
+        need(self.overlap_optimizer is None or self.overlap_optimizer in OVERLAP_MODES,
              f"overlap_optimizer={self.overlap_optimizer!r}: use false, forward (true) or backward.")
         need(self.cutoff_len >= 2, f"cutoff_len={self.cutoff_len}: needs at least 2 tokens.")
         for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
