@@ -13,8 +13,9 @@ How it is derived (nothing here is a hand formula for a particular architecture)
   4. The full-depth schedule (every layer mapped to its kind's segments) is built by the same
      `build_steps` the schedule pass uses and simulated on the hardware profile
      (`simulate.py`); the CPU optimizer step follows it. With `overlap_optimizer=backward` and an
-     unclipped norm it overlaps the backward instead: `overlapped_step_seconds` models each
-     layer's update as a queue on the host fed as the layers' gradients land (runtime/adamw.py).
+     unclipped norm it overlaps the backward instead: the backward is simulated again with a
+     host stream that updates each segment's weights once its gradient offload has landed
+     (runtime/adamw.py), giving `overlapped_step_seconds`.
   5. Device peak = the captured plan's peak + the saved bytes of the layers the prefix left out
      (exact when the peak is where every saved activation is live: end of forward/start of
      backward; an upper bound otherwise).
@@ -36,7 +37,7 @@ from .errors import MegatrainError
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
-from .simulate import SegmentCost, makespan, simulate
+from .simulate import SegmentCost, grad_bytes, makespan, simulate
 from .vlm import store_parameters
 
 GiB = 2**30
@@ -173,7 +174,7 @@ class BatchEstimate:
     backward_seconds: float
     optimizer_seconds: float
     captured: bool = False       # device peak from a capture at this batch (else interpolated)
-    layers: int = 1
+    overlapped_backward_seconds: float | None = None   # backward + optimizer, overlapped (simulated)
 
     @property
     def step_seconds(self) -> float:
@@ -182,13 +183,12 @@ class BatchEstimate:
     @property
     def overlapped_step_seconds(self) -> float:
         """The step with each layer's update started as its gradients land (HostAdamW
-        overlap="backward", norm not clipped): layers land every backward/L seconds and the
-        host updates one in optimizer/L, so it finishes at max(backward + optimizer/L,
-        backward/L + optimizer). Host-memory contention with the gradient copies is ignored."""
-        n = max(1, self.layers)
-        finish = max(self.backward_seconds + self.optimizer_seconds / n,
-                     self.backward_seconds / n + self.optimizer_seconds)
-        return self.forward_seconds + finish
+        overlap="backward", norm not clipped): the simulated backward with the host optimizer
+        stream (simulate.py), which ends after the last layer's update."""
+        backward = self.overlapped_backward_seconds
+        if backward is None:
+            backward = self.backward_seconds + self.optimizer_seconds
+        return self.forward_seconds + backward
 
 
 @dataclass
@@ -304,6 +304,9 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     # what an optimizer updates: the store's weights, and a trained vision tower's
     updated = model.parameters() if vision == "train" else store_parameters(model)
     trainable = sum(p.numel() for p in updated if p.requires_grad)
+    # the store's weights can be updated during the backward; the rest (a trained vision tower)
+    # only after it
+    in_store = sum(p.numel() for p in store_parameters(model) if p.requires_grad)
     _, kinds = layer_kinds(model, config)
     del model
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
@@ -332,10 +335,16 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         times = {}
         for direction in ("forward", "backward"):
             infos, costs = m.expand(direction, b)
-            times[direction] = makespan(simulate(build_steps(infos, lookahead[direction]), costs, hardware))
+            steps = build_steps(infos, lookahead[direction])
+            times[direction] = makespan(simulate(steps, costs, hardware))
+        overlapped = None
+        if (offloaded := grad_bytes(steps, costs)) > 0:   # (steps, costs: the backward's)
+            per_byte = optimizer_seconds(in_store, hardware) / offloaded
+            overlapped = (makespan(simulate(steps, costs, hardware, optimizer_s_per_byte=per_byte))
+                          + optimizer_seconds(trainable - in_store, hardware))
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"],
                              optimizer_seconds(trainable, hardware),
-                             captured=b in (2, 4) or b in m.checked, layers=len(kinds))
+                             captured=b in (2, 4) or b in m.checked, overlapped_backward_seconds=overlapped)
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
     # which can move to a step whose bytes grow faster: a convex function, which the chord from

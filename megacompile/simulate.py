@@ -7,8 +7,13 @@ stream, which is where the runtime issues them:
   * a wait ends when its segment's weights have arrived;
   * a run starts when the previous run ended, and lasts the body's estimated seconds;
   * a grad_offload starts when its run ended and the d2h link is free.
+With `optimizer_s_per_byte` (HostAdamW overlap="backward", runtime/adamw.py) a fourth stream,
+`host`, updates the weights whose gradients an offload landed as soon as it ends:
+  * an optimizer step starts when its grad_offload ended and the host is free, and lasts the
+    offloaded gradient bytes * optimizer_s_per_byte.
 On a profile without overlap (the CPU playing the accelerator) every copy blocks the compute
-stream, which is what the synchronous CPU runtime does.
+stream, which is what the synchronous CPU runtime does; so does the optimizer (it shares the
+cores with the compute).
 """
 from __future__ import annotations
 
@@ -36,9 +41,11 @@ class TimedStep:
     end: float
 
 
-def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0) -> list[TimedStep]:
-    """Start and end time of every step of `steps` (a Schedule's steps)."""
-    clock = {"h2d": t0, "compute": t0, "d2h": t0}
+def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
+             optimizer_s_per_byte: float | None = None) -> list[TimedStep]:
+    """Start and end time of every step of `steps` (a Schedule's steps), plus an optimizer step
+    after each grad_offload when `optimizer_s_per_byte` is given."""
+    clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0}
     arrived: dict[int, float] = {}
     ran: dict[int, float] = {}
     out = []
@@ -67,7 +74,18 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0) -> 
         else:  # evict: instantaneous, on the compute stream
             start = end = clock["compute"]
         out.append(TimedStep(step.op, step.stream, k, cost.name, nbytes, start, end))
+        if step.op == "grad_offload" and optimizer_s_per_byte is not None:
+            start = max(clock["host"], end)
+            end = clock["host"] = start + nbytes * optimizer_s_per_byte
+            if not hw.overlap:
+                clock["compute"] = end
+            out.append(TimedStep("optimizer", "host", k, cost.name, nbytes, start, end))
     return out
+
+
+def grad_bytes(steps, costs: list[SegmentCost]) -> int:
+    """Gradient bytes the grad_offload steps of `steps` move (the optimizer's share of each)."""
+    return sum(s.nbytes or costs[s.segment].grad_bytes for s in steps if s.op == "grad_offload")
 
 
 def makespan(timed: list[TimedStep], t0: float = 0.0) -> float:

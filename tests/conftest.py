@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -11,6 +12,12 @@ import megacompile
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 VOCAB = 128
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the README's command runs the suite on 2 pytest-xdist workers, one per core: one thread
+    # each (and in the `megatrain train` processes tests start), so they do not oversubscribe
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 
 def tiny_config(family: str = "llama", layers: int = 2, hidden: int = 32, **overrides):

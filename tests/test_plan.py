@@ -39,6 +39,10 @@ def test_plan_reports_host_parts_device_bytes_and_batches(config_json, capsys):
     assert rows[8]["tokens_per_s"] > rows[1]["tokens_per_s"]
     for b in rows.values():
         assert b["step_seconds"] == pytest.approx(b["forward_seconds"] + b["backward_seconds"] + b["optimizer_seconds"])
+        # the optimizer under the backward (simulated): at most the serial step, at least the
+        # forward + backward, and at least the optimizer's own length after the forward
+        assert b["forward_seconds"] + max(b["backward_seconds"], b["optimizer_seconds"]) \
+            <= b["overlapped_step_seconds"] <= b["step_seconds"] * (1 + 1e-9)
 
 
 def test_largest_batch_is_the_edge_of_the_device(config_json, tmp_path):
@@ -108,6 +112,7 @@ def test_100b_class_prediction():
     assert 5 * 2**30 < plan.device_weight_bytes < 20 * 2**30
 
 
+@pytest.mark.serial
 def test_prediction_matches_measured_cpu_steps_within_25_percent():
     """The simulator against real steps on this machine (benchmarks/plan_accuracy.py), two sizes.
     Both sides use their fastest run: on a shared 2-core machine other load only adds time, and
@@ -164,11 +169,33 @@ def test_measured_cpu_profile_is_sane():
 
 
 def test_overlapped_step_hides_the_optimizer_under_the_backward_up_to_its_own_length():
-    """overlap_optimizer=backward in the plan: the host updates each layer as its gradients land,
-    so the step pays one layer's update after the backward, or the optimizer's whole time after
-    the first layer's gradients when the optimizer is the slower stream."""
+    """overlap_optimizer=backward in the simulator: a host stream updates each layer once its
+    gradient offload has landed, so the step pays one layer's update after the backward when
+    the host is faster than the layers arrive, and the whole optimizer after the first layer's
+    gradients when the host is the slower stream; on a profile without overlap it all adds up."""
+    from megacompile.passes.schedule import SegmentInfo, build_steps
+    from megacompile.simulate import SegmentCost, grad_bytes, makespan, simulate
+    layers, body_s, gb = 10, 1.0, 1e9
+    segs = [SegmentInfo(f"l{i}", i, [i], grads=[(i, "g")], weight_nbytes=int(gb)) for i in range(layers)]
+    costs = [SegmentCost(f"l{i}", int(gb), int(gb), body_s) for i in range(layers)]
+    hw = Hardware("t", 1.0, h2d_gbps=1e6, d2h_gbps=1e6, device_memory_gib=1.0, host_memory_gbps=1.0)
+    steps = build_steps(segs, 1)
+    assert grad_bytes(steps, costs) == layers * gb
+    backward = makespan(simulate(steps, costs, hw))
+    assert backward == pytest.approx(layers * body_s, rel=1e-3)
+
+    def overlapped(optimizer_s):
+        timed = simulate(steps, costs, hw, optimizer_s_per_byte=optimizer_s / (layers * gb))
+        updates = [s for s in timed if s.op == "optimizer"]
+        assert len(updates) == layers and all(s.stream == "host" for s in updates)
+        assert all(u.start >= o.end for u, o in zip(updates, [s for s in timed if s.op == "grad_offload"]))
+        return makespan(timed)
+    assert overlapped(5.0) == pytest.approx(backward + 5.0 / layers, rel=1e-3)       # fast host: one layer's update
+    assert overlapped(20.0) == pytest.approx(body_s + 20.0, rel=1e-3)                # slow host: all of it
+    serial = Hardware("t", 1.0, 1e6, 1e6, 1.0, 1.0, overlap=False)
+    assert makespan(simulate(steps, costs, serial, optimizer_s_per_byte=5.0 / (layers * gb))) == \
+        pytest.approx(backward + 5.0, rel=1e-3)
     from megacompile.plan import BatchEstimate
-    fast_host = BatchEstimate(1, 0, forward_seconds=4.0, backward_seconds=10.0, optimizer_seconds=5.0, layers=10)
-    assert fast_host.step_seconds == 19.0 and fast_host.overlapped_step_seconds == pytest.approx(14.5)
-    slow_host = BatchEstimate(1, 0, forward_seconds=4.0, backward_seconds=10.0, optimizer_seconds=20.0, layers=10)
-    assert slow_host.overlapped_step_seconds == pytest.approx(4.0 + 1.0 + 20.0)
+    est = BatchEstimate(1, 0, forward_seconds=4.0, backward_seconds=10.0, optimizer_seconds=5.0,
+                        overlapped_backward_seconds=overlapped(5.0))
+    assert est.step_seconds == 19.0 and est.overlapped_step_seconds == pytest.approx(14.5, rel=1e-3)
