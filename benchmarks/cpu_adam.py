@@ -10,6 +10,12 @@ The limit is a STREAM-style copy measured in the same run (`dst.copy_(src)` on 4
 buffers: 8N bytes moved). GB/s counts the bytes an update must move (reads + writes), so the
 ratio to the copy bandwidth says how close a step is to the memory system's limit. Medians.
 
+Per tensor or flat: HostAdamW steps each parameter with one kernel call (no flat buffer that
+would tie the optimizer's layout to the store's). The last rows measure what that costs:
+`HostAdamW.step()` over one decoder layer's 12 tensors (Qwen2.5-7B's shapes, hidden size scaled
+so the layer has N parameters; fp32 masters with bf16 transfer copies) against the same step
+over one flat tensor of the same size.
+
     python benchmarks/cpu_adam.py [--params 64e6 --repeat 7 --threads N]
 """
 from __future__ import annotations
@@ -91,9 +97,44 @@ def main() -> None:
         results[name] = s
         gbps = bytes_per_param * n / s / 1e9
         print(f"{name:<44} {s * 1e3:>8.1f} {n / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / copy_gbps:>7.0%}")
+    del param, low, m, v, fused, foreach
+
+    layer_s, flat_s, total = per_tensor_vs_flat(n, args.repeat)
+    for name, s in (("HostAdamW.step(), a layer's 12 tensors", layer_s), ("HostAdamW.step(), one flat tensor", flat_s)):
+        gbps = 30 * total / s / 1e9
+        print(f"{name:<44} {s * 1e3:>8.1f} {total / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / copy_gbps:>7.0%}")
     ours_s = results["megatrain HostAdamW + bf16 copy (one pass)"]
     print(f"\nspeed-up of the bf16 step over torch fused + copy: {results['torch AdamW fused + bf16 copy'] / ours_s:.2f}x,"
           f" over torch foreach + copy: {results['torch AdamW foreach + bf16 copy'] / ours_s:.2f}x")
+    print(f"per-tensor steps over a layer vs one flat tensor: {layer_s / flat_s:.3f}x the time")
+
+
+def layer_shapes(n: int) -> list[tuple[int, ...]]:
+    """A Qwen2.5-7B decoder layer's tensors (hidden 3584, kv 512, MLP 18944, q/k/v biases, two
+    norms) with the hidden size scaled so that they hold about n parameters."""
+    h = int((n / (2 + 2 / 7 + 3 * 18944 / 3584)) ** 0.5)
+    kv, mlp = max(1, h // 7), int(h * 18944 / 3584)
+    return [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (mlp, h), (mlp, h), (h, mlp), (h,), (h,)]
+
+
+def per_tensor_vs_flat(n: int, repeat: int) -> tuple[float, float, int]:
+    """Median seconds of HostAdamW.step() (bf16 parameters, fp32 masters in the store) over one
+    layer's tensors and over one flat tensor of the same total size, and that size."""
+    from megacompile.runtime import store
+    from megacompile.runtime.adamw import HostAdamW
+
+    def step_seconds(shapes):
+        g = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in shapes]
+        entries = store.register(dict(enumerate(params)), {i: f"p{i}" for i in range(len(params))}, pin=False)
+        for p, entry in zip(params, entries.values()):
+            entry.add_host_grad(torch.randn(p.shape, generator=g) * 1e-3)   # fp32, as the backward delivers it
+        opt = HostAdamW(params, lr=1e-4, weight_decay=0.01)
+        return median_seconds(opt.step, repeat)
+
+    shapes = layer_shapes(n)
+    total = sum(torch.Size(s).numel() for s in shapes)
+    return step_seconds(shapes), step_seconds([(total,)]), total
 
 
 if __name__ == "__main__":
