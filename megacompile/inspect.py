@@ -14,10 +14,12 @@ JSON output (stable; `version` bumps on incompatible change):
                        "memory_bytes", "ops", "seconds", "recompute_fraction", "transient_bytes"}],
          "steps": [{"op", "stream", "segment", "group", "bytes", "start_s", "end_s"}],
              op: prefetch | wait | forward | recompute | backward | grad_offload | evict | optimizer
-             stream: h2d | compute | d2h | host (the optimizer, after the backward, segment -1)
+             stream: h2d | compute | d2h | host (the optimizer: after the backward, segment -1,
+                     or with overlap_optimizer one step per grad_offload, under the backward)
          "peak_resident_weight_bytes", "saved_activation_bytes", "lookahead",
          "passes": [[name, status], ...]}},
-     "forward_backward_seconds", "step_seconds": estimated seconds (step = with the optimizer)}
+     "forward_backward_seconds", "step_seconds": estimated seconds (step = with the optimizer),
+     "overlap_optimizer": bool}
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import segment_costs
 from .presets import load_config
-from .simulate import SegmentCost, TimedStep, makespan, simulate
+from .simulate import SegmentCost, TimedStep, grad_bytes, makespan, simulate
+from .vlm import store_parameters
 
 @dataclass
 class DirectionReport:
@@ -140,15 +143,25 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
 
 def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq: int = 4096,
                   slots: int = 2, hardware: Hardware, dtype: torch.dtype = torch.bfloat16,
-                  options: dict | None = None) -> dict[str, Any]:
+                  options: dict | None = None, overlap_optimizer: bool = False) -> dict[str, Any]:
+    """`overlap_optimizer`: the host optimizer updates each segment's weights during the
+    backward, as soon as its gradient offload lands (HostAdamW overlap="backward", norm not
+    clipped; `megatrain train`'s default on CUDA), instead of after the backward."""
     t_start = time.perf_counter()
     model, config = build_meta_model(source, layers, dtype)
+    params = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    in_store = sum(p.numel() for p in store_parameters(model) if p.requires_grad)
     program = capture_program(model, batch, seq, slots, hardware, options)
-    directions, t = {}, 0.0
+    directions, t, after = {}, 0.0, trainable
     for direction in ("forward", "backward"):
         runner = program.runners[direction]
         segs, costs = segment_report(runner, hardware)
-        steps = label_runs(simulate(runner.schedule.steps, costs, hardware, t), direction, segs)
+        per_byte = None
+        if direction == "backward" and overlap_optimizer and (offloaded := grad_bytes(runner.schedule.steps, costs)):
+            per_byte, after = optimizer_seconds(in_store, hardware) / offloaded, trainable - in_store
+        steps = label_runs(simulate(runner.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte),
+                           direction, segs)
         t = makespan(steps, t)
         saved = 0
         if direction == "backward":
@@ -162,10 +175,11 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
             segs, steps, runner.schedule.peak_resident_weight_bytes(), saved,
             program.pass_records.get(direction, []), runner.schedule.lookahead,
             {name: body.code for name, body in runner.bodies.items()})
-    params = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    opt_end = t + optimizer_seconds(trainable, hardware)
-    directions["backward"].steps.append(TimedStep("optimizer", "host", -1, "all", trainable, t, opt_end))
+    # (with the optimizer overlapped, t already holds its updates; what is left runs after)
+    forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream != "host"), default=t)
+    opt_end = t + optimizer_seconds(after, hardware)
+    if opt_end > t:
+        directions["backward"].steps.append(TimedStep("optimizer", "host", -1, "all", after, t, opt_end))
     return {
         "version": 2,
         "model": {"source": source, "model_type": config.model_type, "layers": config.get_text_config(decoder=True).num_hidden_layers,
@@ -175,7 +189,8 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         "batch": batch, "seq": seq, "slots": slots,
         "directions": directions,
         "step_seconds": opt_end,
-        "forward_backward_seconds": t,
+        "forward_backward_seconds": forward_backward,
+        "overlap_optimizer": overlap_optimizer,
         "inspect_seconds": time.perf_counter() - t_start,
     }
 
@@ -278,5 +293,6 @@ def to_text(report: dict, show: str) -> str:
                 lines.append(f"  {s.start * 1e3:10.3f} {s.end * 1e3:10.3f}  {s.stream:<8} {s.op:<13} "
                              f"{s.group:<22} {s.nbytes}")
     lines.append(f"\nestimated step: forward + backward {report['forward_backward_seconds'] * 1e3:.1f} ms, "
-                 f"with the CPU optimizer {report['step_seconds'] * 1e3:.1f} ms")
+                 f"with the CPU optimizer {report['step_seconds'] * 1e3:.1f} ms"
+                 + (" (updating each layer during the backward)" if report.get("overlap_optimizer") else ""))
     return "\n".join(lines)

@@ -47,6 +47,29 @@ def test_json_report_of_a_config_file(config_json, capsys):
     assert report["step_seconds"] >= max(s["end_s"] for s in fw["steps"])
 
 
+def test_overlapped_optimizer_updates_each_segment_after_its_gradients_land(config_json, capsys):
+    """--overlap-optimizer backward: one host update per gradient offload, each after it and in
+    its order; the store's whole optimizer time is spread over them and the step is no longer."""
+    args = ["inspect", str(config_json), "--seq", "16", "--format", "json", "--gpu", "h100"]
+    assert main(args) == 0
+    serial = json.loads(capsys.readouterr().out)
+    assert main(args + ["--overlap-optimizer", "backward"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["overlap_optimizer"] and not serial["overlap_optimizer"]
+    steps = report["directions"]["backward"]["steps"]
+    offloads = [s for s in steps if s["op"] == "grad_offload"]
+    updates = [s for s in steps if s["op"] == "optimizer"]
+    assert len(updates) == len(offloads) > 3 and all(u["stream"] == "host" for u in updates)
+    assert [u["segment"] for u in updates] == [o["segment"] for o in offloads]
+    for u, o in zip(updates, offloads):
+        assert u["start_s"] >= o["end_s"] and u["bytes"] == o["bytes"]
+    assert all(b["start_s"] >= a["end_s"] for a, b in zip(updates, updates[1:]))   # one host stream
+    (serial_opt,) = [s for s in serial["directions"]["backward"]["steps"] if s["op"] == "optimizer"]
+    assert sum(u["end_s"] - u["start_s"] for u in updates) == pytest.approx(serial_opt["end_s"] - serial_opt["start_s"])
+    assert report["forward_backward_seconds"] == pytest.approx(serial["forward_backward_seconds"])
+    assert report["forward_backward_seconds"] < report["step_seconds"] <= serial["step_seconds"]
+
+
 def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):
     out = tmp_path / "trace.json"
     assert main(["inspect", str(config_json), "--seq", "16", "--format", "chrome-trace", "-o", str(out)]) == 0
