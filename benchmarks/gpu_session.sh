@@ -1,20 +1,32 @@
 #!/usr/bin/env bash
-# One prepared run for a lent GPU machine (the `device` tool: ~10 minutes of wall time).
-# Installs the package without touching the machine's CUDA torch, runs the CUDA tests, the
-# Triton kernel tests on the GPU, then the benchmarks; everything goes to $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh
+# One prepared run for a lent GPU machine (the `device` tool; about 10 minutes of wall time).
+#
+# The H200 machine is offline, runs Python 3.12 as `python3` and has torch, triton, pytest,
+# hypothesis, networkx, safetensors, PyYAML, tqdm and ninja, but an older transformers. So:
+#   here:   bash benchmarks/gpu_prepare.sh          # transformers wheel (this machine's version) -> .whl/
+#   device: run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)
+# It installs the package without touching the machine's CUDA torch (no index, no build
+# isolation), runs the CUDA tests, the Triton kernel tests on the GPU, then the benchmarks;
+# everything goes to $OUT (or ./gpu-out).
 set -u
 OUT=${OUT:-gpu-out}
+PY=${PY:-python3}
+export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/install.txt" 2>&1 && export PYTHONPATH=/tmp/site
+fi
+$PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT/install.txt" 2>&1
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv
-  python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
+  $PY -c "import megacompile; print('megacompile from', megacompile.__file__)"
 } > "$OUT/env.txt" 2>&1
-pip install -q --no-deps -e . > "$OUT/install.txt" 2>&1
-pip install -q hypothesis safetensors pyyaml networkx tqdm ninja >> "$OUT/install.txt" 2>&1
-timeout 150 python -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_kernels_linear_ce.py -q -x \
-  > "$OUT/tests.txt" 2>&1; echo "tests rc=$?" >> "$OUT/tests.txt"
-timeout 60 python benchmarks/cpu_adam.py --params 256e6 > "$OUT/cpu_adam.txt" 2>&1
-timeout 360 python -u benchmarks/overlap.py --steps 4 --warmup 2 > "$OUT/overlap.txt" 2>&1
+timeout 150 $PY -m pytest tests/test_cuda.py tests/test_kernels.py tests/test_kernels_linear_ce.py -q -x \
+  -p no:cacheprovider > "$OUT/tests.txt" 2>&1; echo "tests rc=$?" >> "$OUT/tests.txt"
+timeout 60 $PY benchmarks/cpu_adam.py --params 256e6 > "$OUT/cpu_adam.txt" 2>&1
+timeout 360 $PY benchmarks/overlap.py --steps 4 --warmup 2 > "$OUT/overlap.txt" 2>&1
 echo "overlap rc=$?" >> "$OUT/overlap.txt"
 tail -n 3 "$OUT"/*.txt
