@@ -83,7 +83,10 @@ def run(step, args, device) -> dict[str, float]:
 
 def limit_step(args, device, data):
     model = build(args, device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):   # (transformers >= 5.2x; the old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-5, fused=device.type == "cuda")
 

@@ -75,7 +75,10 @@ def main() -> None:
 
     eager = copy.deepcopy(base).train()
     ckpt = copy.deepcopy(base).train()
-    ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(ckpt, "activation_checkpointing_enable"):   # (transformers >= 5.2x; the old name warns)
+        ckpt.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mt = copy.deepcopy(base).train()
     cmodel = torch.compile(mt, backend="megatrain", options={"device": "cpu"})
     configs = {"eager": make_step(eager, eager), "eager+ckpt": make_step(ckpt, ckpt),

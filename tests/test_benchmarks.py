@@ -1,0 +1,33 @@
+"""The benchmark scripts run end to end (tiny sizes, CPU): a GPU session gets one try at them,
+so a script broken by a change must fail here first. Their figures are not checked: timings
+belong to the benchmarks, not to tests."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_overlap_benchmark_smoke_run():
+    out = run("overlap.py", "--device", "cpu", "--model", "tiny", "--seq", "256", "--steps", "1", "--warmup", "1")
+    for config in ("limit", "megatrain plain", "megatrain", "megatrain +overlap fwd", "megatrain +overlap bwd"):
+        assert any(line.startswith(config + " ") for line in out.splitlines()), (config, out)
+    assert "engine speed-up over plain" in out
+
+
+def test_cpu_adam_benchmark_smoke_run():
+    pytest.importorskip("ninja")
+    out = run("cpu_adam.py", "--params", "1e5", "--repeat", "1")
+    for row in ("megatrain HostAdamW + bf16 copy", "torch AdamW fused + bf16 copy", "HostAdamW.step(), a layer's 12 tensors",
+                "copy bandwidth", "per-tensor steps over a layer vs one flat tensor"):
+        assert row in out, (row, out)
