@@ -1,6 +1,6 @@
-"""The benchmark scripts run end to end (tiny sizes, CPU): a GPU session gets one try at them,
-so a script broken by a change must fail here first. Their figures are not checked: timings
-belong to the benchmarks, not to tests."""
+"""The benchmark scripts run end to end (tiny sizes, on the CPU; plan_accuracy.py runs in
+test_plan.py): a GPU session gets one try at them, so a script broken by a change must fail
+here first. Their figures are not checked: timings belong to the benchmarks, not to tests."""
 from __future__ import annotations
 
 import subprocess
@@ -31,3 +31,14 @@ def test_cpu_adam_benchmark_smoke_run():
     for row in ("megatrain HostAdamW + bf16 copy", "torch AdamW fused + bf16 copy", "HostAdamW.step(), a layer's 12 tensors",
                 "copy bandwidth", "per-tensor steps over a layer vs one flat tensor"):
         assert row in out, (row, out)
+
+
+def test_step_overhead_benchmark_smoke_run():
+    out = run("step_overhead.py", "--layers", "2", "--hidden", "64", "--vocab", "256", "--batch", "1", "--seq", "32",
+              "--steps", "1", "--warmup", "1")
+    assert "ratio megatrain / eager+ckpt" in out and "distinct layer bodies 1" in out, out
+
+
+def test_moe_transfer_benchmark_smoke_run():
+    out = run("moe_transfer.py", "--tokens", "8", "--steps", "1", "--only", "mixtral")
+    assert any(line.startswith("mixtral (8 experts, top-2)") for line in out.splitlines()), out
