@@ -16,7 +16,7 @@ def _inspect(args) -> int:
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
                            options={"recompute": args.recompute, "logits": args.logits},
-                           overlap_optimizer=args.overlap_optimizer == "backward")
+                           overlap_optimizer=None if args.overlap_optimizer == "false" else args.overlap_optimizer)
     if args.format == "json":
         text = to_json(report)
     elif args.format == "chrome-trace":
@@ -94,10 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drop (default, as megatrain train): LM head and loss fused, no [tokens, vocab] logits; "
                         "keep: the logits are computed and returned (torch.compile's default)")
     i.add_argument("--gpu", default="h200", help="hardware profile for time estimates: a built-in name or a JSON file")
-    i.add_argument("--overlap-optimizer", default="false", choices=["false", "backward"],
-                   help="backward: the host optimizer updates each layer as its gradients land, under the "
-                        "backward (HostAdamW overlap='backward', megatrain train's default on CUDA); "
-                        "false: after the backward")
+    i.add_argument("--overlap-optimizer", default="false", choices=["false", "forward", "backward"],
+                   help="backward: the host optimizer updates each segment as its gradients land, under the "
+                        "backward (HostAdamW overlap='backward', megatrain train's default on CUDA); forward: "
+                        "the last step's updates run under this forward, each before its segment's prefetch "
+                        "(overlap='forward', or a clipped step); false: after the backward")
     i.add_argument("--show", default="schedule", choices=["graphs", "passes", "schedule", "memory"])
     i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
     i.add_argument("-o", "--output", help="write to this file instead of standard output")

@@ -15,11 +15,12 @@ JSON output (stable; `version` bumps on incompatible change):
          "steps": [{"op", "stream", "segment", "group", "bytes", "start_s", "end_s"}],
              op: prefetch | wait | forward | recompute | backward | grad_offload | evict | optimizer
              stream: h2d | compute | d2h | host (the optimizer: after the backward, segment -1,
-                     or with overlap_optimizer one step per grad_offload, under the backward)
+                     or with overlap_optimizer one update per grad_offload under the backward /
+                     per prefetch under the forward)
          "peak_resident_weight_bytes", "saved_activation_bytes", "lookahead",
          "passes": [[name, status], ...]}},
      "forward_backward_seconds", "step_seconds": estimated seconds (step = with the optimizer),
-     "overlap_optimizer": bool}
+     "overlap_optimizer": null | "backward" | "forward"}
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import segment_costs
 from .presets import load_config
-from .simulate import SegmentCost, TimedStep, grad_bytes, makespan, simulate
+from .simulate import SegmentCost, TimedStep, fetched_bytes, grad_bytes, makespan, simulate
 from .vlm import store_parameters
 
 @dataclass
@@ -143,10 +144,14 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
 
 def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq: int = 4096,
                   slots: int = 2, hardware: Hardware, dtype: torch.dtype = torch.bfloat16,
-                  options: dict | None = None, overlap_optimizer: bool = False) -> dict[str, Any]:
-    """`overlap_optimizer`: the host optimizer updates each segment's weights during the
-    backward, as soon as its gradient offload lands (HostAdamW overlap="backward", norm not
-    clipped; `megatrain train`'s default on CUDA), instead of after the backward."""
+                  options: dict | None = None, overlap_optimizer: str | None = None) -> dict[str, Any]:
+    """`overlap_optimizer` (simulate.py's host stream) "backward": the host optimizer updates
+    each segment's weights during the backward, as soon as its gradient offload lands (HostAdamW
+    overlap="backward", norm not clipped; `megatrain train`'s default on CUDA); "forward": the
+    last step's updates run under this forward, each before its segment's prefetch
+    (overlap="forward", or a clipped step under "backward"); None: after the backward."""
+    if overlap_optimizer not in (None, "backward", "forward"):
+        raise ValueError(f"overlap_optimizer={overlap_optimizer!r}: None, 'backward' or 'forward'")
     t_start = time.perf_counter()
     model, config = build_meta_model(source, layers, dtype)
     params = sum(p.numel() for p in model.parameters())
@@ -158,10 +163,11 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         runner = program.runners[direction]
         segs, costs = segment_report(runner, hardware)
         per_byte = None
-        if direction == "backward" and overlap_optimizer and (offloaded := grad_bytes(runner.schedule.steps, costs)):
-            per_byte, after = optimizer_seconds(in_store, hardware) / offloaded, trainable - in_store
-        steps = label_runs(simulate(runner.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte),
-                           direction, segs)
+        moved = (grad_bytes if direction == "backward" else lambda steps, _: fetched_bytes(steps))
+        if direction == overlap_optimizer and (nbytes := moved(runner.schedule.steps, costs)):
+            per_byte, after = optimizer_seconds(in_store, hardware) / nbytes, trainable - in_store
+        steps = label_runs(simulate(runner.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte,
+                                    optimizer=direction), direction, segs)
         t = makespan(steps, t)
         saved = 0
         if direction == "backward":
@@ -294,5 +300,6 @@ def to_text(report: dict, show: str) -> str:
                              f"{s.group:<22} {s.nbytes}")
     lines.append(f"\nestimated step: forward + backward {report['forward_backward_seconds'] * 1e3:.1f} ms, "
                  f"with the CPU optimizer {report['step_seconds'] * 1e3:.1f} ms"
-                 + (" (updating each layer during the backward)" if report.get("overlap_optimizer") else ""))
+                 + {"backward": " (updating each segment during the backward)",
+                    "forward": " (the last step's updates under this forward)"}.get(report.get("overlap_optimizer"), ""))
     return "\n".join(lines)

@@ -15,7 +15,9 @@ How it is derived (nothing here is a hand formula for a particular architecture)
      (`simulate.py`); the CPU optimizer step follows it. With `overlap_optimizer=backward` and an
      unclipped norm it overlaps the backward instead: the backward is simulated again with a
      host stream that updates each segment's weights once its gradient offload has landed
-     (runtime/adamw.py), giving `overlapped_step_seconds`.
+     (runtime/adamw.py), giving `overlap_backward_seconds`; under the next forward (clipped
+     steps, or overlap_optimizer=forward) the forward is simulated with each segment's prefetch
+     waiting for its update: `overlap_forward_seconds`.
   5. Device peak = the captured plan's peak + the saved bytes of the layers the prefix left out
      (exact when the peak is where every saved activation is live: end of forward/start of
      backward; an upper bound otherwise).
@@ -37,7 +39,7 @@ from .errors import MegatrainError
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
-from .simulate import SegmentCost, grad_bytes, makespan, simulate
+from .simulate import SegmentCost, fetched_bytes, grad_bytes, makespan, simulate
 from .vlm import store_parameters
 
 GiB = 2**30
@@ -174,21 +176,15 @@ class BatchEstimate:
     backward_seconds: float
     optimizer_seconds: float
     captured: bool = False       # device peak from a capture at this batch (else interpolated)
-    overlapped_backward_seconds: float | None = None   # backward + optimizer, overlapped (simulated)
+    # the step with HostAdamW overlapped (simulate.py's host stream), None where nothing moves:
+    overlap_backward_seconds: float | None = None   # each segment updated as its gradients land
+                                                    # (overlap_optimizer=backward, norm not clipped)
+    overlap_forward_seconds: float | None = None    # the update under the next forward (overlap_optimizer=
+                                                    # forward, or a clipped step under backward)
 
     @property
     def step_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds + self.optimizer_seconds
-
-    @property
-    def overlapped_step_seconds(self) -> float:
-        """The step with each layer's update started as its gradients land (HostAdamW
-        overlap="backward", norm not clipped): the simulated backward with the host optimizer
-        stream (simulate.py), which ends after the last layer's update."""
-        backward = self.overlapped_backward_seconds
-        if backward is None:
-            backward = self.backward_seconds + self.optimizer_seconds
-        return self.forward_seconds + backward
 
 
 @dataclass
@@ -225,7 +221,7 @@ class Plan:
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "fits": self.fits, "problems": self.problems,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b),
-                          "overlapped_step_seconds": b.overlapped_step_seconds}
+}
                          for b in self.batches]}
         d["best_batch"] = self.best.batch if self.best else None
         return d
@@ -332,19 +328,22 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         weights_at_peak = max(weights_at_peak, sum(resident))
 
     def estimate(b: int) -> BatchEstimate:
-        times = {}
+        times, sims = {}, {}
         for direction in ("forward", "backward"):
             infos, costs = m.expand(direction, b)
-            steps = build_steps(infos, lookahead[direction])
+            sims[direction] = steps, costs = build_steps(infos, lookahead[direction]), costs
             times[direction] = makespan(simulate(steps, costs, hardware))
-        overlapped = None
-        if (offloaded := grad_bytes(steps, costs)) > 0:   # (steps, costs: the backward's)
-            per_byte = optimizer_seconds(in_store, hardware) / offloaded
-            overlapped = (makespan(simulate(steps, costs, hardware, optimizer_s_per_byte=per_byte))
-                          + optimizer_seconds(trainable - in_store, hardware))
-        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"],
-                             optimizer_seconds(trainable, hardware),
-                             captured=b in (2, 4) or b in m.checked, overlapped_backward_seconds=overlapped)
+        opt, after = optimizer_seconds(trainable, hardware), optimizer_seconds(trainable - in_store, hardware)
+        overlapped = {}
+        for mode, moved in (("backward", grad_bytes(*sims["backward"])), ("forward", fetched_bytes(sims["forward"][0]))):
+            if moved:
+                per_byte = optimizer_seconds(in_store, hardware) / moved
+                steps, costs = sims[mode]
+                overlapped[mode] = times["forward"] + times["backward"] - times[mode] + after + makespan(
+                    simulate(steps, costs, hardware, optimizer_s_per_byte=per_byte, optimizer=mode))
+        return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
+                             captured=b in (2, 4) or b in m.checked, overlap_backward_seconds=overlapped.get("backward"),
+                             overlap_forward_seconds=overlapped.get("forward"))
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
     # which can move to a step whose bytes grow faster: a convex function, which the chord from
@@ -442,10 +441,14 @@ def to_text(plan: Plan) -> str:
     if plan.best:
         b = plan.best
         lines.append(f"best: batch {b.batch} x seq {plan.seq} -> {b.step_seconds:.3f} s/step, "
-                     f"{plan.tokens_per_s(b):,.0f} tokens/s with the optimizer after the backward; "
-                     f"{b.overlapped_step_seconds:.3f} s/step, "
-                     f"{b.batch * plan.seq / b.overlapped_step_seconds:,.0f} tokens/s with it during the backward "
-                     "(overlap_optimizer=backward, norm not clipped)")
+                     f"{plan.tokens_per_s(b):,.0f} tokens/s with the optimizer after the backward")
+        tokens = b.batch * plan.seq
+        for seconds, how in ((b.overlap_backward_seconds, "during the backward (overlap_optimizer=backward, "
+                                                          "norm not clipped)"),
+                             (b.overlap_forward_seconds, "under the next forward (overlap_optimizer=forward, or "
+                                                         "backward with a clipped norm)")):
+            if seconds is not None:
+                lines.append(f"      {seconds:.3f} s/step, {tokens / seconds:,.0f} tokens/s with it {how}")
     for p in plan.problems:
         lines.append(f"CANNOT FIT: {p}")
     return "\n".join(lines)

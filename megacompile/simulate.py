@@ -7,10 +7,14 @@ stream, which is where the runtime issues them:
   * a wait ends when its segment's weights have arrived;
   * a run starts when the previous run ended, and lasts the body's estimated seconds;
   * a grad_offload starts when its run ended and the d2h link is free.
-With `optimizer_s_per_byte` (HostAdamW overlap="backward", runtime/adamw.py) a fourth stream,
-`host`, updates the weights whose gradients an offload landed as soon as it ends:
-  * an optimizer step starts when its grad_offload ended and the host is free, and lasts the
-    offloaded gradient bytes * optimizer_s_per_byte.
+With `optimizer_s_per_byte`, a fourth stream, `host`, runs the optimizer (runtime/adamw.py):
+  * optimizer="backward" (HostAdamW overlap="backward", the norm not clipped): an update
+    starts when its grad_offload ended and the host is free, and lasts the offloaded gradient
+    bytes * optimizer_s_per_byte;
+  * optimizer="forward" (overlap="forward", or a clipped step under overlap="backward": the
+    last step's update runs under this forward): the host updates the segments back to back
+    from t0 in the order the forward fetches them, each lasting its weight bytes *
+    optimizer_s_per_byte, and a segment's prefetch starts only after its update.
 On a profile without overlap (the CPU playing the accelerator) every copy blocks the compute
 stream, which is what the synchronous CPU runtime does; so does the optimizer (it shares the
 cores with the compute).
@@ -42,18 +46,35 @@ class TimedStep:
 
 
 def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
-             optimizer_s_per_byte: float | None = None) -> list[TimedStep]:
-    """Start and end time of every step of `steps` (a Schedule's steps), plus an optimizer step
-    after each grad_offload when `optimizer_s_per_byte` is given."""
+             optimizer_s_per_byte: float | None = None, optimizer: str = "backward") -> list[TimedStep]:
+    """Start and end time of every step of `steps` (a Schedule's steps), plus the optimizer's
+    updates when `optimizer_s_per_byte` is given: after each grad_offload (optimizer="backward")
+    or before each prefetch (optimizer="forward")."""
+    if optimizer not in ("backward", "forward"):
+        raise ValueError(f"optimizer={optimizer!r}: 'backward' or 'forward'")
+    before_prefetch = optimizer_s_per_byte is not None and optimizer == "forward"
+    after_offload = optimizer_s_per_byte is not None and optimizer == "backward"
     clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0}
     arrived: dict[int, float] = {}
     ran: dict[int, float] = {}
     out = []
+
+    def update(k: int, nbytes: int, start: float) -> float:
+        """The host's update of segment k's weights from `start`; returns its end."""
+        end = clock["host"] = start + nbytes * optimizer_s_per_byte
+        if not hw.overlap:   # (the CPU: the optimizer takes the cores from the compute)
+            clock["compute"] = end
+        out.append(TimedStep("optimizer", "host", k, costs[k].name, nbytes, start, end))
+        return end
+
     for step in steps:
         k, cost = step.segment, costs[step.segment]
         nbytes = step.nbytes
         if step.op == "prefetch":
-            start = max(clock["h2d"], clock["compute"])
+            ready = t0
+            if before_prefetch:
+                ready = update(k, nbytes, max(clock["host"], t0 if hw.overlap else clock["compute"]))
+            start = max(clock["h2d"], clock["compute"], ready)
             end = start + nbytes / (hw.h2d_gbps * 1e9)
             clock["h2d"] = arrived[k] = end
             if not hw.overlap:
@@ -74,18 +95,19 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         else:  # evict: instantaneous, on the compute stream
             start = end = clock["compute"]
         out.append(TimedStep(step.op, step.stream, k, cost.name, nbytes, start, end))
-        if step.op == "grad_offload" and optimizer_s_per_byte is not None:
-            start = max(clock["host"], end)
-            end = clock["host"] = start + nbytes * optimizer_s_per_byte
-            if not hw.overlap:
-                clock["compute"] = end
-            out.append(TimedStep("optimizer", "host", k, cost.name, nbytes, start, end))
+        if step.op == "grad_offload" and after_offload:
+            update(k, nbytes, max(clock["host"], end))
     return out
 
 
 def grad_bytes(steps, costs: list[SegmentCost]) -> int:
     """Gradient bytes the grad_offload steps of `steps` move (the optimizer's share of each)."""
     return sum(s.nbytes or costs[s.segment].grad_bytes for s in steps if s.op == "grad_offload")
+
+
+def fetched_bytes(steps) -> int:
+    """Weight bytes the prefetch steps of `steps` move (the optimizer's share of each)."""
+    return sum(s.nbytes for s in steps if s.op == "prefetch")
 
 
 def makespan(timed: list[TimedStep], t0: float = 0.0) -> float:

@@ -55,7 +55,7 @@ def test_overlapped_optimizer_updates_each_segment_after_its_gradients_land(conf
     serial = json.loads(capsys.readouterr().out)
     assert main(args + ["--overlap-optimizer", "backward"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["overlap_optimizer"] and not serial["overlap_optimizer"]
+    assert report["overlap_optimizer"] == "backward" and serial["overlap_optimizer"] is None
     steps = report["directions"]["backward"]["steps"]
     offloads = [s for s in steps if s["op"] == "grad_offload"]
     updates = [s for s in steps if s["op"] == "optimizer"]
@@ -68,6 +68,18 @@ def test_overlapped_optimizer_updates_each_segment_after_its_gradients_land(conf
     assert sum(u["end_s"] - u["start_s"] for u in updates) == pytest.approx(serial_opt["end_s"] - serial_opt["start_s"])
     assert report["forward_backward_seconds"] == pytest.approx(serial["forward_backward_seconds"])
     assert report["forward_backward_seconds"] < report["step_seconds"] <= serial["step_seconds"]
+    # under the next forward: one update per prefetch, before it
+    assert main(args + ["--overlap-optimizer", "forward"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    steps = report["directions"]["forward"]["steps"]
+    updates = {s["segment"]: s for s in steps if s["op"] == "optimizer"}
+    prefetches = [s for s in steps if s["op"] == "prefetch"]
+    assert sorted(updates) == sorted(s["segment"] for s in prefetches) and len(prefetches) > 3
+    assert all(s["start_s"] >= updates[s["segment"]]["end_s"] for s in prefetches)
+    assert not any(s["op"] == "optimizer" for s in report["directions"]["backward"]["steps"])
+    assert sum(u["end_s"] - u["start_s"] for u in updates.values()) == \
+        pytest.approx(serial_opt["end_s"] - serial_opt["start_s"])
+    assert report["step_seconds"] <= serial["step_seconds"]
 
 
 def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):

@@ -39,10 +39,12 @@ def test_plan_reports_host_parts_device_bytes_and_batches(config_json, capsys):
     assert rows[8]["tokens_per_s"] > rows[1]["tokens_per_s"]
     for b in rows.values():
         assert b["step_seconds"] == pytest.approx(b["forward_seconds"] + b["backward_seconds"] + b["optimizer_seconds"])
-        # the optimizer under the backward (simulated): at most the serial step, at least the
-        # forward + backward, and at least the optimizer's own length after the forward
+        # the optimizer overlapped (simulated): at most the serial step, at least the forward +
+        # backward, and at least the optimizer's own length beside the direction it hides under
         assert b["forward_seconds"] + max(b["backward_seconds"], b["optimizer_seconds"]) \
-            <= b["overlapped_step_seconds"] <= b["step_seconds"] * (1 + 1e-9)
+            <= b["overlap_backward_seconds"] <= b["step_seconds"] * (1 + 1e-9)
+        assert b["backward_seconds"] + max(b["forward_seconds"], b["optimizer_seconds"]) \
+            <= b["overlap_forward_seconds"] <= b["step_seconds"] * (1 + 1e-9)
 
 
 def test_largest_batch_is_the_edge_of_the_device(config_json, tmp_path):
@@ -195,7 +197,30 @@ def test_overlapped_step_hides_the_optimizer_under_the_backward_up_to_its_own_le
     serial = Hardware("t", 1.0, 1e6, 1e6, 1.0, 1.0, overlap=False)
     assert makespan(simulate(steps, costs, serial, optimizer_s_per_byte=5.0 / (layers * gb))) == \
         pytest.approx(backward + 5.0, rel=1e-3)
-    from megacompile.plan import BatchEstimate
-    est = BatchEstimate(1, 0, forward_seconds=4.0, backward_seconds=10.0, optimizer_seconds=5.0,
-                        overlapped_backward_seconds=overlapped(5.0))
-    assert est.step_seconds == 19.0 and est.overlapped_step_seconds == pytest.approx(14.5, rel=1e-3)
+
+
+def test_optimizer_under_the_next_forward_delays_each_prefetch_until_its_update():
+    """optimizer="forward" in the simulator: the host updates the segments in the order the
+    forward fetches them, from the step's start; a prefetch waits for its segment's update, so a
+    fast host costs the first segment's update and a slow one stretches the forward to its own
+    length plus the last segment's body."""
+    from megacompile.passes.schedule import SegmentInfo, build_steps
+    from megacompile.simulate import SegmentCost, fetched_bytes, makespan, simulate
+    layers, body_s, gb = 10, 1.0, 1e9
+    segs = [SegmentInfo(f"l{i}", i, [i], weight_nbytes=int(gb)) for i in range(layers)]
+    costs = [SegmentCost(f"l{i}", int(gb), 0, body_s) for i in range(layers)]
+    hw = Hardware("t", 1.0, h2d_gbps=1e6, d2h_gbps=1e6, device_memory_gib=1.0, host_memory_gbps=1.0)
+    steps = build_steps(segs, 1)
+    assert fetched_bytes(steps) == layers * gb
+    forward = makespan(simulate(steps, costs, hw))
+
+    def overlapped(optimizer_s):
+        timed = simulate(steps, costs, hw, optimizer_s_per_byte=optimizer_s / (layers * gb), optimizer="forward")
+        updates = {s.segment: s for s in timed if s.op == "optimizer"}
+        assert sorted(updates) == list(range(layers))
+        assert all(s.start >= updates[s.segment].end for s in timed if s.op == "prefetch")
+        return makespan(timed)
+    assert overlapped(5.0) == pytest.approx(forward + 5.0 / layers, rel=1e-3)
+    assert overlapped(20.0) == pytest.approx(20.0 + body_s, rel=1e-3)
+    with pytest.raises(ValueError, match="'backward' or 'forward'"):
+        simulate(steps, costs, hw, optimizer_s_per_byte=1e-9, optimizer="sideways")
