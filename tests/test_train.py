@@ -407,6 +407,14 @@ def test_overlapped_optimizer_trains_exactly_like_the_plain_step(tiny_dir, tmp_p
         rows = log_rows(out / "out")
         weights = checkpoint.load_file(str(out / "out" / "checkpoint-4" / "model.safetensors"))
         runs[overlap] = ([(r["loss"], r["grad_norm"]) for r in rows], weights)
+        counts = [r.get("optimizer_overlap") for r in rows]
+        if not overlap:
+            assert counts == [None] * len(rows)
+        else:   # (a rollback runs on the optimizer's thread after the step that asked for it)
+            assert all(c["kept"] + c["rolled_back"] <= c["speculated"] for c in counts), counts
+            # every step here is clipped: the first speculates and is redone, the others pause
+            assert all(r["grad_norm"] > 0.5 for r in rows) and len(rows) == 4
+            assert counts[0]["speculated"] > 0 and counts[-1]["kept"] == 0 and counts[-1]["paused"] == 3, counts
     for overlap in ("backward",):
         assert runs[overlap][0] == runs[False][0], overlap
         assert all(torch.equal(runs[overlap][1][k], w) for k, w in runs[False][1].items()), overlap

@@ -319,6 +319,8 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
                        "tokens_per_s": sum(w[1] for w in window) / max(sum(w[2] for w in window), 1e-9),
                        "grad_norm": norm, "skipped_steps": state["skipped_steps"],
                        "epoch": state["step"] / steps_per_epoch, "trained_tokens": state["trained_tokens"]}
+                if optimizer.backward:   # is the optimizer under the backward paying off? (cumulative counts)
+                    row["optimizer_overlap"] = dict(optimizer.counters)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 if writer is not None:
