@@ -29,6 +29,7 @@ Host RAM needed: about 18 bytes/parameter (3B: ~58 GB; the H200 machine has 128 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 
@@ -172,6 +173,7 @@ def main() -> None:
         r = results[name] = run(step, args, device)
         del model, step
         torch._dynamo.reset()
+        gc.collect()   # (the compiled program and its runners form cycles that hold the host store)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         tflops = 6 * params * tokens / r["step"] / 1e12

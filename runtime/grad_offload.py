@@ -141,8 +141,8 @@ class GradOffloader:
                 staged = [stage(item) for item in items]
                 for _, grad, _, _ in items:
                     grad.record_stream(self.stream)
-            event = torch.cuda.Event()
-            event.record(self.stream)
+            event = torch.cuda.Event(blocking=True)   # (the worker sleeps in synchronize(), not spins:
+            event.record(self.stream)                 # the host optimizer wants the cores)
         else:
             staged = [stage(item) for item in items]
         while len(self.pending) >= self.max_pending:

@@ -57,18 +57,46 @@ def _unregister(ptr: int) -> None:
         pass
 
 
+_PAGE = 4096
+_REGISTER_PORTABLE = 1   # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
+
+
 def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
-    arena = torch.empty(max(nbytes, 1), dtype=torch.uint8)
-    if pin:
-        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), arena.numel(), 0)
-        if int(err) != 0:   # still correct, only the copies from this arena are synchronous
-            import warnings
-            warnings.warn(f"megatrain: cudaHostRegister of a {nbytes / 2**30:.2f} GiB host arena failed ({err}); "
-                          "its weights are copied to the device without overlap. Check the host's locked-memory "
-                          "limit (ulimit -l).", stacklevel=3)
-        else:
-            weakref.finalize(arena, _unregister, arena.data_ptr())
+    """`nbytes` of host memory; with `pin`, registered with CUDA. A registration covers whole
+    pages and two may not share one (the second fails), so a pinned arena starts on a page
+    boundary and spans whole pages (small arenas and slabs would otherwise sit side by side
+    in one page of the heap)."""
+    nbytes = max(nbytes, 1)
+    if not pin:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    span = -(-nbytes // _PAGE) * _PAGE
+    base = torch.empty(span + _PAGE, dtype=torch.uint8)
+    start = -base.data_ptr() % _PAGE
+    arena = base[start: start + nbytes]   # (the view keeps `base` alive)
+    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), span, _REGISTER_PORTABLE)
+    if int(err) != 0:   # still correct, only the copies from this arena are synchronous
+        _clear_cuda_error()
+        import warnings
+        warnings.warn(f"megatrain: cudaHostRegister of a {nbytes / 2**30:.2f} GiB host arena failed ({err}); "
+                      "its weights are copied to the device without overlap. Check the host's locked-memory "
+                      "limit (ulimit -l).", stacklevel=3)
+    else:   # (the caller keeps this tensor for as long as the arena is in use)
+        weakref.finalize(arena, _unregister, arena.data_ptr())
     return arena
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last-error state after a failed runtime call. torch checks
+    cudaGetLastError() after each kernel launch, so a failed cudaHostRegister left there would
+    surface as the next kernel's (unrelated) error; torch exposes no binding to clear it."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:   # pragma: no cover - not Linux: nothing to find the runtime by
+        pass
 
 
 def _rebind(entry, tensor: torch.Tensor) -> None:

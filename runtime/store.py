@@ -76,7 +76,10 @@ class WeightEntry:
         With `non_blocking` on CUDA the host tensor is pinned and valid once the current stream
         has passed the copy."""
         if rows is not None:
-            grad = grad[torch.tensor(rows, dtype=torch.long, device=grad.device)]
+            index = torch.tensor(rows, dtype=torch.long)
+            if grad.device.type == "cuda":   # (a pageable copy would wait for the stream: it waited on the body)
+                index = index.pin_memory().to(grad.device, non_blocking=True)
+            grad = grad[index]
         host = grad if grad.device.type == "cpu" else grad.to("cpu", non_blocking=non_blocking)
         return host, grad.numel() * grad.element_size()
 
