@@ -38,7 +38,7 @@ from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import segment_costs
 from .presets import load_config
-from .simulate import SegmentCost, TimedStep, fetched_bytes, grad_bytes, makespan, simulate
+from .simulate import SegmentCost, TimedStep, makespan, optimizer_bytes, simulate
 from .vlm import store_parameters
 
 @dataclass
@@ -163,8 +163,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         runner = program.runners[direction]
         segs, costs = segment_report(runner, hardware)
         per_byte = None
-        moved = (grad_bytes if direction == "backward" else lambda steps, _: fetched_bytes(steps))
-        if direction == overlap_optimizer and (nbytes := moved(runner.schedule.steps, costs)):
+        if direction == overlap_optimizer and (nbytes := optimizer_bytes(runner.schedule.steps, costs, direction)):
             per_byte, after = optimizer_seconds(in_store, hardware) / nbytes, trainable - in_store
         steps = label_runs(simulate(runner.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte,
                                     optimizer=direction), direction, segs)

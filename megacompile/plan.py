@@ -39,7 +39,7 @@ from .errors import MegatrainError
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
-from .simulate import SegmentCost, fetched_bytes, grad_bytes, makespan, simulate
+from .simulate import SegmentCost, makespan, optimizer_bytes, simulate
 from .vlm import store_parameters
 
 GiB = 2**30
@@ -220,8 +220,7 @@ class Plan:
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "fits": self.fits, "problems": self.problems,
-             "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b),
-}
+             "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
         d["best_batch"] = self.best.batch if self.best else None
         return d
@@ -335,10 +334,9 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
             times[direction] = makespan(simulate(steps, costs, hardware))
         opt, after = optimizer_seconds(trainable, hardware), optimizer_seconds(trainable - in_store, hardware)
         overlapped = {}
-        for mode, moved in (("backward", grad_bytes(*sims["backward"])), ("forward", fetched_bytes(sims["forward"][0]))):
-            if moved:
+        for mode, (steps, costs) in sims.items():   # the optimizer beside this direction, the other as is
+            if moved := optimizer_bytes(steps, costs, mode):
                 per_byte = optimizer_seconds(in_store, hardware) / moved
-                steps, costs = sims[mode]
                 overlapped[mode] = times["forward"] + times["backward"] - times[mode] + after + makespan(
                     simulate(steps, costs, hardware, optimizer_s_per_byte=per_byte, optimizer=mode))
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,

@@ -110,5 +110,11 @@ def fetched_bytes(steps) -> int:
     return sum(s.nbytes for s in steps if s.op == "prefetch")
 
 
+def optimizer_bytes(steps, costs: list[SegmentCost], optimizer: str) -> int:
+    """The bytes simulate()'s `optimizer` mode spreads the optimizer's time over: the offloaded
+    gradients ("backward") or the fetched weights ("forward")."""
+    return grad_bytes(steps, costs) if optimizer == "backward" else fetched_bytes(steps)
+
+
 def makespan(timed: list[TimedStep], t0: float = 0.0) -> float:
     return max((s.end for s in timed), default=t0)
