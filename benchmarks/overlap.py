@@ -40,6 +40,8 @@ import megacompile
 from megacompile.hardware import load_hardware
 from megacompile.runtime.adamw import HostAdamW
 
+from eager_baseline import checkpoint_every_layer   # (benchmarks/, on the path when run as a script)
+
 SHAPES = {
     "llama-3.2-3b": dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
                          num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
@@ -84,10 +86,7 @@ def run(step, args, device) -> dict[str, float]:
 
 def limit_step(args, device, data):
     model = build(args, device)
-    if hasattr(model, "activation_checkpointing_enable"):   # (transformers >= 5.2x; the old name warns)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_every_layer(model)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(masters, lr=1e-5, fused=device.type == "cuda")
 

@@ -23,6 +23,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import megacompile
 
+from eager_baseline import checkpoint_every_layer   # (benchmarks/, on the path when run as a script)
+
 
 def build(args) -> torch.nn.Module:
     torch.manual_seed(0)
@@ -75,10 +77,7 @@ def main() -> None:
 
     eager = copy.deepcopy(base).train()
     ckpt = copy.deepcopy(base).train()
-    if hasattr(ckpt, "activation_checkpointing_enable"):   # (transformers >= 5.2x; the old name warns)
-        ckpt.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        ckpt.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    checkpoint_every_layer(ckpt)
     mt = copy.deepcopy(base).train()
     cmodel = torch.compile(mt, backend="megatrain", options={"device": "cpu"})
     configs = {"eager": make_step(eager, eager), "eager+ckpt": make_step(ckpt, ckpt),

@@ -170,18 +170,26 @@ def test_measured_cpu_profile_is_sane():
     assert 1e-3 < hw.compute_tflops < 100 and 0.1 < hw.h2d_gbps < 1000 and hw.device_memory_gib > 0.5
 
 
+def _uniform_layers(layers: int, body_s: float, nbytes: float, grads: bool):
+    """A schedule of `layers` equal segments (`nbytes` of weights, and of gradients with `grads`,
+    `body_s` each) on free links: (steps, costs, hardware) for the simulator."""
+    from megacompile.passes.schedule import SegmentInfo, build_steps
+    from megacompile.simulate import SegmentCost
+    segs = [SegmentInfo(f"l{i}", i, [i], grads=[(i, "g")] if grads else [], weight_nbytes=int(nbytes))
+            for i in range(layers)]
+    costs = [SegmentCost(f"l{i}", int(nbytes), int(nbytes) if grads else 0, body_s) for i in range(layers)]
+    hw = Hardware("t", 1.0, h2d_gbps=1e6, d2h_gbps=1e6, device_memory_gib=1.0, host_memory_gbps=1.0)
+    return build_steps(segs, 1), costs, hw
+
+
 def test_overlapped_step_hides_the_optimizer_under_the_backward_up_to_its_own_length():
     """overlap_optimizer=backward in the simulator: a host stream updates each layer once its
     gradient offload has landed, so the step pays one layer's update after the backward when
     the host is faster than the layers arrive, and the whole optimizer after the first layer's
     gradients when the host is the slower stream; on a profile without overlap it all adds up."""
-    from megacompile.passes.schedule import SegmentInfo, build_steps
-    from megacompile.simulate import SegmentCost, grad_bytes, makespan, simulate
+    from megacompile.simulate import grad_bytes, makespan, simulate
     layers, body_s, gb = 10, 1.0, 1e9
-    segs = [SegmentInfo(f"l{i}", i, [i], grads=[(i, "g")], weight_nbytes=int(gb)) for i in range(layers)]
-    costs = [SegmentCost(f"l{i}", int(gb), int(gb), body_s) for i in range(layers)]
-    hw = Hardware("t", 1.0, h2d_gbps=1e6, d2h_gbps=1e6, device_memory_gib=1.0, host_memory_gbps=1.0)
-    steps = build_steps(segs, 1)
+    steps, costs, hw = _uniform_layers(layers, body_s, gb, grads=True)
     assert grad_bytes(steps, costs) == layers * gb
     backward = makespan(simulate(steps, costs, hw))
     assert backward == pytest.approx(layers * body_s, rel=1e-3)
@@ -204,13 +212,9 @@ def test_optimizer_under_the_next_forward_delays_each_prefetch_until_its_update(
     forward fetches them, from the step's start; a prefetch waits for its segment's update, so a
     fast host costs the first segment's update and a slow one stretches the forward to its own
     length plus the last segment's body."""
-    from megacompile.passes.schedule import SegmentInfo, build_steps
-    from megacompile.simulate import SegmentCost, fetched_bytes, makespan, simulate
+    from megacompile.simulate import fetched_bytes, makespan, simulate
     layers, body_s, gb = 10, 1.0, 1e9
-    segs = [SegmentInfo(f"l{i}", i, [i], weight_nbytes=int(gb)) for i in range(layers)]
-    costs = [SegmentCost(f"l{i}", int(gb), 0, body_s) for i in range(layers)]
-    hw = Hardware("t", 1.0, h2d_gbps=1e6, d2h_gbps=1e6, device_memory_gib=1.0, host_memory_gbps=1.0)
-    steps = build_steps(segs, 1)
+    steps, costs, hw = _uniform_layers(layers, body_s, gb, grads=False)
     assert fetched_bytes(steps) == layers * gb
     forward = makespan(simulate(steps, costs, hw))
 
