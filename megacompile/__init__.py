@@ -6,7 +6,8 @@
     print(megacompile.stats(cmodel))
 """
 from .backend import megatrain_backend, stats
-from .errors import ConfigError, GraphBreakError, MegatrainError, ResidencyError, UnsupportedModelError
+from .errors import (CannotFitError, ConfigError, GraphBreakError, MegatrainError, ResidencyError, TrainingError,
+                     UnsupportedModelError)
 from .options import Options
 from .runtime.store import master_weight
 from . import output_hooks
@@ -15,6 +16,7 @@ output_hooks.register()
 
 __all__ = [
     "megatrain_backend", "stats", "Options", "master_weight",
-    "MegatrainError", "UnsupportedModelError", "GraphBreakError", "ConfigError", "ResidencyError",
+    "MegatrainError", "UnsupportedModelError", "GraphBreakError", "ConfigError", "ResidencyError", "CannotFitError",
+    "TrainingError",
 ]
 __version__ = "0.1.0"

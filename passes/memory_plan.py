@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..cost_model import dim_hint
-from ..errors import MegatrainError
+from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
 from . import WEIGHT_GROUP, PassContext, graph_pass
 from .dedupe_bodies import BODY
 from ..runtime.expert_rows import fetch_expert_rows
@@ -29,10 +29,6 @@ from .split_segments import SEGMENT
 MEMORY_PLAN = "mt_memory_plan"
 # fetch_expert_rows returns the (resident) weight it fills
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, fetch_expert_rows}
-
-
-class CannotFitError(MegatrainError):
-    """The schedule's peak device bytes exceed the device budget."""
 
 
 def _tensor_bytes(v: torch.Tensor) -> int:
