@@ -1,14 +1,21 @@
 """Backend options: `torch.compile(model, backend="megatrain", options={...})`.
 
 Every key is declared here with its type and meaning; unknown keys are rejected with the
-closest valid key suggested, so a typo never silently falls back to a default.
+closest valid key suggested, so a typo never silently falls back to a default, and every value is
+type-checked (`_checked`): booleans are True/False only, `disable_passes` names real passes
+(`pass_names()`), each error reads `option NAME=VALUE (TYPE): expected ...`.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +38,117 @@ def parse_bytes(value) -> int:
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@functools.lru_cache(maxsize=None)
+def pass_names() -> tuple[str, ...]:
+    """Every graph pass the backend runs, by name, in pipeline order (what `disable_passes` takes):
+    the passes of backend.DYNAMO_PASSES, JOINT_PASSES and DIRECTION_PASSES."""
+    from . import backend
+    passes = (*backend.DYNAMO_PASSES, *backend.JOINT_PASSES, *backend.DIRECTION_PASSES)
+    return tuple(dict.fromkeys(p.name for p in passes))
+
+
+_BOOL_OPTIONS = ("debug_residency", "recompute_head", "routed_experts", "overlap_grads", "host_arena", "debug_passes")
+#: string options: each accepted value and what it means (None: nothing to add)
+_CHOICES = {
+    "recompute": {"layer": "least memory", "selective": "keep matmul/attention outputs, recompute only "
+                                                        "elementwise ops"},
+    "kernels": {"auto": "Triton kernels on CUDA", "triton": None, "none": None},
+    "logits": {"keep": "return the logits", "drop": "fused LM head + loss, logits=None in the output"},
+    "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
+}
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _bad(name: str, value, expected: str) -> ConfigError:
+    return ConfigError(f"option {name}={_short(value)} ({type(value).__name__}): expected {expected}.")
+
+
+def _one_of(choices: dict) -> str:
+    items = [repr(v) + (f" ({why})" if why else "") for v, why in choices.items()]
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def _checked(name: str, value):
+    """`value` for option `name`, normalized (disable_passes -> tuple, a torch.device -> str), or a
+    ConfigError: `option NAME=VALUE (TYPE): expected ...`."""
+    if name in _BOOL_OPTIONS:
+        if not isinstance(value, bool):
+            raise _bad(name, value, "True or False")
+        return value
+    if name in _CHOICES:
+        if not isinstance(value, str) or value not in _CHOICES[name]:
+            raise _bad(name, value, _one_of(_CHOICES[name]))
+        return value
+    if name == "slots":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _bad(name, value, "an integer >= 1 (2 overlaps one transfer with compute)")
+        return value
+    if name == "device":
+        expected = "'cuda', 'cuda:N' or 'cpu' (a string or a torch.device)"
+        if isinstance(value, torch.device):
+            value = str(value)
+        if not isinstance(value, str):
+            raise _bad(name, value, expected)
+        try:
+            dev = torch.device(value)
+        except (RuntimeError, ValueError, TypeError):
+            raise _bad(name, value, expected) from None
+        if dev.type not in ("cpu", "cuda"):
+            raise _bad(name, value, expected + ": megatrain runs on CUDA or the CPU")
+        return value
+    if name == "device_budget":
+        expected = "None, a positive int of bytes or a size string such as '80GiB', '75GB' or '1.5T'"
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value < 1:
+                raise _bad(name, value, expected)
+            return value
+        if not isinstance(value, str):
+            raise _bad(name, value, expected)
+        try:
+            nbytes = parse_bytes(value)
+        except ConfigError:
+            raise _bad(name, value, f"{expected} ({value!r} is not a byte size)") from None
+        if nbytes < 1:
+            raise _bad(name, value, f"{expected} ({value!r} is less than one byte)")
+        return value
+    if name == "hardware":
+        from .hardware import NAMES, Hardware, load_hardware
+        expected = f"None, one of {', '.join(map(repr, NAMES))}, the path of a JSON hardware profile, or a Hardware"
+        if value is None:
+            return None
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if isinstance(value, str) and value in NAMES:
+            return value
+        if isinstance(value, Hardware) or (isinstance(value, str) and Path(value).is_file()):
+            try:
+                load_hardware(value)   # a profile's keys and rates are checked now, not at the first step
+            except ConfigError as e:
+                raise ConfigError(f"option hardware={_short(value)}: {e}") from None
+            return value
+        if isinstance(value, str) and Path(value).is_dir():
+            raise _bad(name, value, f"{expected} ({value!r} is a directory)")
+        raise _bad(name, value, expected)
+    if name == "disable_passes":
+        items = (value,) if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(p, str) for p in items):
+            raise _bad(name, value, "a pass name or a list of pass names (strings), e.g. ['dedupe_bodies']")
+        valid = pass_names()
+        for p in items:
+            if p not in valid:
+                close = difflib.get_close_matches(p, valid, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                raise _bad(name, value, f"pass names; {p!r} is not one: {hint}the passes are {', '.join(valid)}")
+        return tuple(items)
+    return value
 
 
 @dataclass(frozen=True)
@@ -56,10 +174,12 @@ class Options:
     #: whose planned peak exceeds it is refused with the smallest budget that fits.
     device_budget: int | str | None = None
     #: Hardware profile for the schedule's cost model ("h200", "h100", "gh200", "a100", "cpu" =
-    #: measured here, or a JSON profile path). It picks how far ahead weights are prefetched
-    #: (at most slots - 1). None: on CUDA, the built-in profile matching the GPU's name, if any;
-    #: on the CPU, no cost model (always prefetch slots - 1 ahead, as the accelerator would).
-    hardware: str | None = None
+    #: measured here, a JSON profile path, or a `hardware.Hardware`). It picks how far ahead
+    #: weights are prefetched (at most slots - 1). None: on CUDA, the GPU's profile
+    #: (`hardware.gpu_profile`: the built-in one whose name is a whole word of the device name, so
+    #: a GH200 is never an H200; another GPU's rates measured on it); on the CPU, no cost model
+    #: (always prefetch slots - 1 ahead, as the accelerator would).
+    hardware: Any = None
     #: MoE: copy to the device only the experts the router picked for the batch (forward and
     #: backward), and only their gradients back. Exact. Costs one device-to-host read of the
     #: routing per MoE layer; pays off when batches leave experts idle.
@@ -91,20 +211,29 @@ class Options:
     debug_passes: bool = False
 
     @classmethod
-    def from_mapping(cls, mapping: dict | None) -> "Options":
-        mapping = dict(mapping or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        for key in mapping:
-            if key not in names:
-                close = difflib.get_close_matches(key, sorted(names), n=1)
+    def from_mapping(cls, mapping: Mapping | None) -> "Options":
+        """Options from `torch.compile(..., options=mapping)` or a training config's compile keys.
+        Every key and value is checked: a ConfigError names the option, what was given and what
+        it accepts."""
+        if mapping is None:
+            mapping = {}
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(f"options={_short(mapping)} ({type(mapping).__name__}): expected a dict of option "
+                              "names to values, e.g. options={'device': 'cpu', 'slots': 2}. Valid options: "
+                              f"{', '.join(sorted(_FIELD_NAMES))}.")
+        values = {}
+        for key, value in mapping.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"option name {_short(key)} ({type(key).__name__}): option names are strings. "
+                                  f"Valid options: {', '.join(sorted(_FIELD_NAMES))}.")
+            if key not in _FIELD_NAMES:
+                close = difflib.get_close_matches(key, sorted(_FIELD_NAMES), n=1)
                 hint = f" Did you mean {close[0]!r}?" if close else ""
                 raise ConfigError(
-                    f"unknown megatrain option {key!r}.{hint} Valid options: {', '.join(sorted(names))}."
+                    f"unknown megatrain option {key!r}.{hint} Valid options: {', '.join(sorted(_FIELD_NAMES))}."
                 )
-        if "disable_passes" in mapping:
-            dp = mapping["disable_passes"]
-            mapping["disable_passes"] = (dp,) if isinstance(dp, str) else tuple(dp)
-        opts = cls(**mapping)
+            values[key] = _checked(key, value)
+        opts = cls(**values)
         opts.validate()
         return opts
 
@@ -113,46 +242,22 @@ class Options:
         return parse_bytes(self.device_budget) if self.device_budget is not None else None
 
     def validate(self) -> None:
-        if self.device_budget is not None:
-            self.device_budget_bytes  # raises ConfigError when malformed
-        if self.hardware is not None:
-            from pathlib import Path
-
-            from .hardware import NAMES, Hardware
-            if not isinstance(self.hardware, Hardware) and self.hardware not in NAMES and not Path(self.hardware).is_file():
-                raise ConfigError(f"option hardware={self.hardware!r}: use one of {', '.join(NAMES)} "
-                                  "or the path of a JSON hardware profile.")
-        if self.kernels not in ("auto", "triton", "none"):
-            raise ConfigError(f"option kernels={self.kernels!r}: use 'auto' (Triton kernels on CUDA), 'triton' or "
-                              "'none'.")
-        if self.lowering not in ("auto", "eager", "inductor"):
-            raise ConfigError(f"option lowering={self.lowering!r}: use 'auto' (measured per body on CUDA), 'eager' "
-                              "or 'inductor'.")
-        if self.logits not in ("keep", "drop"):
-            raise ConfigError(f"option logits={self.logits!r}: use 'keep' (return the logits) or 'drop' (fused LM "
-                              "head + loss, logits=None in the output).")
-        if self.recompute not in ("layer", "selective"):
-            raise ConfigError(f"option recompute={self.recompute!r}: use 'layer' (least memory) or 'selective' "
-                              "(keep matmul/attention outputs, recompute only elementwise ops).")
-        if not isinstance(self.slots, int) or self.slots < 1:
-            raise ConfigError(f"option slots={self.slots!r}: need an integer >= 1 (2 overlaps one transfer with compute).")
-        try:
-            dev = torch.device(self.device)
-        except RuntimeError as e:
-            raise ConfigError(f"option device={self.device!r} is not a torch device: {e}") from None
+        """Check every field's type and value (ConfigError), and that a CUDA device exists."""
+        for f in dataclasses.fields(self):
+            _checked(f.name, getattr(self, f.name))
+        dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("option device='cuda' but no CUDA device is available; use device='cpu'.")
-        if dev.type not in ("cpu", "cuda"):
-            raise ConfigError(f"option device={self.device!r}: megatrain runs on 'cuda' or 'cpu'.")
+            raise ConfigError(f"option device={self.device!r}: no CUDA device is available here; use device='cpu'.")
 
     def hardware_profile(self):
-        """The Hardware the cost model uses, or None."""
-        from .hardware import BUILTIN, load_hardware
+        """The Hardware the cost model uses: the `hardware` option's profile; without it, on CUDA
+        the GPU's (`hardware.gpu_profile`: its built-in profile, matched by whole words of the
+        device name, else its rates measured, else h100), on the CPU None (no cost model)."""
+        from .hardware import gpu_profile, load_hardware
         if self.hardware is not None:
             return load_hardware(self.hardware, torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16)
         if self.torch_device.type == "cuda":
-            gpu = torch.cuda.get_device_name(self.torch_device).lower()
-            return next((hw for name, hw in BUILTIN.items() if name in gpu), None)
+            return gpu_profile(self.torch_device, torch.bfloat16)[0]
         return None
 
     @property
@@ -174,3 +279,6 @@ class Options:
         if dev.type == "cuda" and dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         return dev
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Options))
