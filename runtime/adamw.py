@@ -147,6 +147,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._pool: ThreadPoolExecutor | None = None
         self._speculate_next = True
         self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0, "paused": 0}
+        # parameter -> whether its last update left a NaN or inf in its weights (nonfinite())
+        self._nonfinite: dict[nn.Parameter, bool] = {}
 
     @staticmethod
     def _buffers(p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -243,6 +245,7 @@ class HostAdamW(torch.optim.Optimizer):
         if low is not None:
             low.copy_(weights)   # the transfer copy is the master rounded, as the update writes it
             _master_entry(p).synced_version = p._version
+        self._nonfinite.pop(p, None)
         self.counters["rolled_back"] += 1
 
     def _disarm(self) -> dict:
@@ -374,16 +377,25 @@ class HostAdamW(torch.optim.Optimizer):
                 beta1=beta1, beta2=beta2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
             if low is not None:
                 low.copy_(weights)
+            self._nonfinite[p] = not bool(torch.isfinite(weights).all())
         elif ext is not None:
             state["step"] += 1
-            ext.adamw_step(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, lr, beta1, beta2, eps, wd,
-                           int(state["step"].item()), grad_scale, threads)
+            bad = ext.adamw_step(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, lr, beta1, beta2, eps, wd,
+                                 int(state["step"].item()), grad_scale, threads)
+            self._nonfinite[p] = bad > 0
         else:
             state["step"] += 1
             _fallback(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, state["step"], lr, beta1, beta2,
                       eps, wd, grad_scale)
+            self._nonfinite[p] = not bool(torch.isfinite(weights).all())
         if low is not None:
             _master_entry(p).synced_version = p._version
+
+    def nonfinite(self) -> list[nn.Parameter]:
+        """The parameters whose last update left a NaN or inf in their weights (counted by the
+        update itself). Read it after `synchronize()`, or once a megatrain forward has read the
+        weights (each fetch waits for its weight's update)."""
+        return [p for p, bad in list(self._nonfinite.items()) if bad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._armed:   # gradients dropped without a step: its speculative updates are undone

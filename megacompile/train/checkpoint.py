@@ -1,47 +1,99 @@
-"""Checkpoints that survive a kill at any moment.
+"""Checkpoints that survive a kill at any moment and are read back without running any code.
 
 `output_dir/checkpoint-N/` holds:
   model.safetensors   fp32 master weights by parameter name (exact, not the bf16 copies)
-  optimizer.pt        optimizer state (loaded while parameters show their masters, so torch
-                      does not cast the fp32 moments to bf16)
-  trainer.json        step, scheduler state, data position, token and skip counters, config
-  rng.pt              Python, NumPy and torch RNG states
-A checkpoint is written into `checkpoint-N.tmp` (every file fsynced), renamed into place and
-the directory fsynced, so a kill leaves either the complete new checkpoint or none: the previous
-ones are untouched. `save_total_limit` removes the oldest complete ones after a save.
+  optimizer.pt        optimizer state: tensors and plain containers only (read with weights_only=True;
+                      loaded while parameters show their masters, so torch keeps the moments fp32)
+  rng.json            Python, NumPy, torch (and CUDA) generator states as JSON (rng_state.py)
+  trainer.json        written last: step, scheduler state, data position, counters, config, the
+                      data fingerprint and the size of every other file
+
+Writing (`save`): into `checkpoint-N.tmp`, every file fsynced, renamed into place, the folder
+fsynced: a kill leaves either the complete new checkpoint or none. Saving a step that exists
+moves the old one to `checkpoint-N.prev` first and deletes it after the rename (`recover` puts
+back a `.prev` whose rename never happened), so no moment holds neither copy. Before writing, the
+checkpoint's size is compared with the free space; with `save_total_limit`, checkpoints this save
+would prune anyway are pruned first when the space is needed, never leaving less than one
+complete checkpoint.
+
+Reading (`read`): every file is parsed and checked (sizes against trainer.json, formats, finite
+weights and moments) before anything in the model changes; `apply` then sets the masters, the
+optimizer state and the generators.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
-import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..errors import MegatrainError
+from ..errors import CannotFitError, MegatrainError, TrainingError
 from ..runtime.store import master_weight, masters_shown, set_master
 from ..vlm import store_parameters
+from . import rng_state
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+_PREV = re.compile(r"^checkpoint-(\d+)\.prev$")
+FILES = ("model.safetensors", "optimizer.pt", "rng.json")
+TRAINER = "trainer.json"
 
 
 class CheckpointError(MegatrainError):
-    """A checkpoint is missing, incomplete or does not match this run."""
+    """A checkpoint is missing, damaged or does not match this run."""
+
+
+class DiskSpaceError(CheckpointError, CannotFitError):
+    """A checkpoint does not fit the free space of its file system (exit code 3)."""
+
+
+def _fmt(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def step_of(path: Path) -> int:
+    m = _NAME.match(Path(path).name)
+    if m is None:
+        raise CheckpointError(f"{path} is not a checkpoint-N folder.")
+    return int(m.group(1))
 
 
 def checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in `output_dir`, oldest first."""
+    """Complete checkpoints in `output_dir` (their trainer.json is written last), oldest first."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-             and (p / "trainer.json").is_file()]
+             and (p / TRAINER).is_file()]
     return [p for _, p in sorted(found)]
+
+
+def recover(output_dir: str | Path) -> list[str]:
+    """Finish re-saves a kill interrupted: a `checkpoint-N.prev` whose new `checkpoint-N` never
+    arrived is put back; one whose replacement is in place is deleted. Returns what it did."""
+    out, done = Path(output_dir), []
+    if not out.is_dir():
+        return done
+    for p in sorted(out.iterdir()):
+        if (m := _PREV.match(p.name)) and p.is_dir():
+            final = out / f"checkpoint-{m.group(1)}"
+            if (final / TRAINER).is_file():
+                shutil.rmtree(p)
+                done.append(f"removed {p.name} (replaced by a complete {final.name})")
+            elif not final.exists():
+                os.replace(p, final)
+                done.append(f"restored {final.name} from {p.name} (a re-save was interrupted)")
+    return done
 
 
 def _fsync(path: Path) -> None:
@@ -52,67 +104,214 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def estimate_bytes(model: torch.nn.Module, optimizer) -> int:
+    """What a checkpoint of this model and optimizer takes on disk (fp32 masters + optimizer
+    tensors + a little for the headers and JSON files)."""
+    masters = sum(4 * p.numel() if p.dtype in (torch.bfloat16, torch.float16) else p.numel() * p.element_size()
+                  for p in {id(p): p for p in model.parameters()}.values())
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    if not optimizer.state:   # before the first step: AdamW's two fp32 moments per trainable weight
+        state = sum(8 * p.numel() for g in optimizer.param_groups for p in g["params"])
+    return masters + state + 2**20
+
+
+def _make_room(out: Path, step: int, need: int, limit: int | None) -> None:
+    free = shutil.disk_usage(out).free
+    pruned = []
+    if free < need and limit is not None:
+        # these would be pruned after this save anyway; keep at least one complete checkpoint
+        complete = [p for p in checkpoints(out) if step_of(p) != step]
+        for old in complete[:max(0, len(complete) - max(limit - 1, 1))]:
+            if free >= need:
+                break
+            shutil.rmtree(old)
+            pruned.append(old.name)
+            free = shutil.disk_usage(out).free
+    if free < need:
+        done = f" after removing {', '.join(pruned)} (save_total_limit)" if pruned else ""
+        raise DiskSpaceError(
+            f"checkpoint-{step} needs about {_fmt(need)} but the file system of {out} has {_fmt(free)} free{done}: "
+            f"free {_fmt(need - free)} there, or set save_total_limit to keep fewer checkpoints (the "
+            "oldest are then removed before a save that needs their space). The previous checkpoints are intact.")
+
+
 def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
          limit: int | None = None) -> Path:
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"checkpoint-{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a save killed earlier
-    tmp.mkdir(parents=True)
     masters = {name: master_weight(p).detach().contiguous()
                for name, p in model.named_parameters()}  # tied weights: once, under their first name
-    save_file(masters, str(tmp / "model.safetensors"))
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    bad = [name for name, t in masters.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:   # never write a checkpoint that cannot be trained from
+        raise TrainingError(f"step {step}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not "
+                            f"finite, so checkpoint-{step} is not written; the previous checkpoints are intact. Lower "
+                            "learning_rate (or raise warmup_steps) and resume from the last checkpoint.")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a save killed earlier
+    need = estimate_bytes(model, optimizer)
+    _make_room(out, step, need, limit)
     try:
-        import numpy as np
-        rng["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        pass
-    torch.save(rng, tmp / "rng.pt")
-    (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "step": step}, indent=1))
-    for f in tmp.iterdir():
-        _fsync(f)
-    _fsync(tmp)
-    if final.exists():  # the same step saved again (a resumed run): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync(out)
+        tmp.mkdir(parents=True)
+        save_file(masters, str(tmp / "model.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        (tmp / "rng.json").write_text(json.dumps(rng_state.capture()))
+        files = {name: (tmp / name).stat().st_size for name in FILES}
+        (tmp / TRAINER).write_text(json.dumps({**trainer_state, "step": step, "files": files}, indent=1))
+        for f in tmp.iterdir():
+            _fsync(f)
+        _fsync(tmp)
+    except (OSError, SafetensorError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        full = isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) or "No space" in reason
+        kind = DiskSpaceError if full else CheckpointError
+        raise kind(f"writing checkpoint-{step} to {out} failed ({reason}); a checkpoint needs about {_fmt(need)}, "
+                   f"{_fmt(shutil.disk_usage(out).free)} is free. The previous checkpoints are intact.") from None
+    if final.exists():   # the same step saved again (a resumed run): keep the old one until the new is in place
+        aside = out / f"checkpoint-{step}.prev"
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        _fsync(out)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, final)
+        _fsync(out)
     if limit is not None:
         for old in checkpoints(out)[:-limit]:
             shutil.rmtree(old)
     return final
 
 
-def load(path: str | Path, model: torch.nn.Module, optimizer, pin: bool = False) -> dict[str, Any]:
-    """Restore weights, optimizer state and RNG from a checkpoint; returns the trainer state."""
+# -- reading --------------------------------------------------------------------------------------
+
+@dataclass
+class Loaded:
+    """A checkpoint read and checked, nothing applied yet."""
+    path: Path
+    masters: dict[str, torch.Tensor]
+    optimizer: dict
+    rng: dict
+    trainer: dict
+
+    @property
+    def step(self) -> int:
+        return self.trainer["step"]
+
+
+def _damaged(path: Path, name: str, why: str) -> CheckpointError:
+    return CheckpointError(f"{path / name} is damaged ({why}). " + _elsewhere(path))
+
+
+def _elsewhere(path: Path) -> str:
+    """What to resume from instead of a damaged checkpoint."""
+    older = [p for p in checkpoints(path.parent) if _NAME.match(path.name) and step_of(p) < step_of(path)]
+    if older:
+        return (f"The previous complete checkpoint is {older[-1]}: set resume_from_checkpoint: {older[-1]} "
+                "(or true, which falls back to the newest checkpoint that loads).")
+    return "There is no earlier checkpoint in this folder: start the run again in a new output_dir."
+
+
+def _finite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
+def read(path: str | Path) -> Loaded:
+    """Parse and check every file of a checkpoint; raises CheckpointError naming the file."""
     path = Path(path)
-    for name in ("model.safetensors", "optimizer.pt", "trainer.json", "rng.pt"):
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a folder: resume_from_checkpoint takes a checkpoint-N folder, or true "
+                              "for the latest in output_dir.")
+    if not (path / TRAINER).is_file():
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {TRAINER}, which is written last). "
+                              + _elsewhere(path))
+    try:
+        trainer = json.loads((path / TRAINER).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _damaged(path, TRAINER, f"not valid JSON: {e}") from None
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("step"), int) or \
+            not all(isinstance(trainer.get(k), dict) for k in ("scheduler", "data", "state")):
+        raise _damaged(path, TRAINER, "it lacks step, scheduler, data or state")
+    legacy_rng = not (path / "rng.json").exists() and (path / "rng.pt").is_file()   # an earlier megatrain's
+    names = [n for n in FILES if not (legacy_rng and n == "rng.json")] + (["rng.pt"] if legacy_rng else [])
+    for name in names:
         if not (path / name).is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}); pick another checkpoint-N "
-                                  "folder or set resume_from_checkpoint: true for the latest complete one.")
-    masters = load_file(str(path / "model.safetensors"))
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + _elsewhere(path))
+    for name, size in (trainer.get("files") or {}).items():
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + _elsewhere(path))
+        actual = (path / name).stat().st_size
+        if actual != size:
+            raise _damaged(path, name, f"{actual} bytes where the checkpoint wrote {size}: truncated or changed")
+    try:
+        masters = load_file(str(path / "model.safetensors"))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise _damaged(path, "model.safetensors", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    if bad := _finite(masters):
+        raise CheckpointError(f"{path / 'model.safetensors'}: the weights {', '.join(bad[:3])} are not finite (NaN or "
+                              "inf), so training from it would train nothing. " + _elsewhere(path))
+    try:
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+    except Exception as e:   # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise _damaged(path, "optimizer.pt", f"{type(e).__name__}: {why[:300]}") from None
+    if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) or \
+            not isinstance(optimizer.get("param_groups"), list):
+        raise _damaged(path, "optimizer.pt", "not an optimizer state_dict")
+    moments = {f"state[{k}].{n}": v for k, s in optimizer["state"].items() if isinstance(s, dict)
+               for n, v in s.items() if isinstance(v, torch.Tensor)}
+    if bad := _finite(moments):
+        raise CheckpointError(f"{path / 'optimizer.pt'}: the optimizer state {', '.join(bad[:3])} is not finite. "
+                              + _elsewhere(path))
+    try:
+        rng = rng_state.from_legacy(path / "rng.pt") if legacy_rng else json.loads((path / "rng.json").read_text())
+        rng_state.check(rng)
+    except (json.JSONDecodeError, UnicodeDecodeError, rng_state.RNGStateError) as e:
+        raise _damaged(path, "rng.pt" if legacy_rng else "rng.json", str(e)) from None
+    except Exception as e:   # noqa: BLE001 - a legacy pickle that weights_only refuses
+        raise _damaged(path, "rng.pt", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
+    return Loaded(path, masters, optimizer, rng, trainer)
+
+
+def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) -> dict[str, Any]:
+    """Set weights, optimizer state and generators from a checkpoint that `read` checked;
+    returns its trainer.json. Everything that can mismatch is compared before anything is set."""
+    path, masters = loaded.path, loaded.masters
     params = dict(model.named_parameters())
     missing, unexpected = set(params) - set(masters), set(masters) - set(params)
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match this model (missing {sorted(missing)[:3]}, unexpected "
                               f"{sorted(unexpected)[:3]}): resume with the same model_name_or_path and num_layers.")
-    in_store = {id(p) for p in store_parameters(model)}
     for name, p in params.items():
         if masters[name].shape != p.shape:
             raise CheckpointError(f"{path}: {name} has shape {tuple(masters[name].shape)}, the model {tuple(p.shape)}.")
+    saved_groups = loaded.optimizer["param_groups"]
+    if [len(g["params"]) for g in optimizer.param_groups] != [len(g.get("params", ())) for g in saved_groups]:
+        raise CheckpointError(f"{path / 'optimizer.pt'}: its parameter groups do not match this run's optimizer "
+                              "(another model, num_layers or set of trainable weights).")
+    in_store = {id(p) for p in store_parameters(model)}
+    for name, p in params.items():
         if id(p) in in_store:
             set_master(p, masters[name], name, pin)
         else:   # a VLM's vision side: on the device, trained in its own dtype
             with torch.no_grad():
                 p.data.copy_(masters[name])
-    with masters_shown(params.values()):
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    random.setstate(rng["python"])
-    torch.set_rng_state(rng["torch"])
-    if "numpy" in rng:
-        import numpy as np
-        np.random.set_state(rng["numpy"])
-    return json.loads((path / "trainer.json").read_text())
+    try:
+        with masters_shown(params.values()):
+            optimizer.load_state_dict(loaded.optimizer)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise CheckpointError(f"{path / 'optimizer.pt'} does not fit this run's optimizer ({e}).") from None
+    rng_state.restore(loaded.rng)
+    return loaded.trainer
+
+
+def load(path: str | Path, model: torch.nn.Module, optimizer, pin: bool = False) -> dict[str, Any]:
+    """Restore weights, optimizer state and RNG from a checkpoint; returns the trainer state."""
+    return apply(read(path), model, optimizer, pin)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ class TrainConfig:
     stage: str = "sft"                      # sft: chat/instruction data; pt: raw text, concatenated and chunked
     dataset: str = ""                       # comma-separated names from dataset_dir/dataset_info.json
     dataset_dir: str = "data"
+    # a file_name outside dataset_dir (`../x.json`, an absolute path, a link that leads out) is refused
+    # unless this is true (LLaMA-Factory joins the paths without checking)
+    allow_outside_dataset_dir: bool = False
     media_dir: str | None = None            # where the images column's paths start (default: dataset_dir)
     image_max_pixels: int = 768 * 768       # larger images are scaled down to this many pixels
     image_min_pixels: int = 32 * 32         # smaller ones scaled up
@@ -66,6 +70,9 @@ class TrainConfig:
     warmup_ratio: float = 0.0
     warmup_steps: int = 0                   # > 0 overrides warmup_ratio
     seed: int = 42
+    # a run whose loss or gradient norm is non-finite this many steps in a row stops (exit 4): it is
+    # diverging, and skipping more steps would train nothing
+    max_consecutive_skipped_steps: int = 10
     # AdamW on host threads: false | true/forward (under the next forward) | backward (each layer's
     # update starts during the backward, exact by rollback; runtime/adamw.py). None: backward on CUDA
     overlap_optimizer: bool | str | None = None
@@ -102,14 +109,30 @@ class TrainConfig:
         need(self.report_to in REPORTS, f"report_to={self.report_to!r}: use one of {', '.join(REPORTS)}.")
         need(self.overlap_optimizer is None or self.overlap_optimizer in OVERLAP_MODES,
              f"overlap_optimizer={self.overlap_optimizer!r}: use false, forward (true) or backward.")
+        for f in dataclasses.fields(self):   # an inf or NaN hyper-parameter passes every comparison below
+            value = getattr(self, f.name)
+            need(not isinstance(value, float) or math.isfinite(value),
+                 f"{f.name}={value}: must be a finite number.")
         need(self.cutoff_len >= 2, f"cutoff_len={self.cutoff_len}: needs at least 2 tokens.")
-        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps"):
+        for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps", "save_steps",
+                    "max_consecutive_skipped_steps"):
             need(getattr(self, key) >= 1, f"{key}={getattr(self, key)}: must be at least 1.")
+        need(self.num_layers is None or self.num_layers >= 1,
+             f"num_layers={self.num_layers}: keep at least 1 decoder layer (or leave it unset for all of them).")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate}: must be positive.")
+        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay}: must be 0 or more.")
+        need(self.adam_epsilon > 0, f"adam_epsilon={self.adam_epsilon}: must be positive (e.g. 1e-8).")
+        need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm}: must be 0 (no clipping) or more.")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio}: must be in [0, 1).")
+        need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}: must be 0 or more.")
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1/adam_beta2 must be in [0, 1).")
+        need(self.num_train_epochs >= 0, f"num_train_epochs={self.num_train_epochs}: must be 0 or more.")
         need(self.max_steps > 0 or self.num_train_epochs > 0, "set max_steps > 0 or num_train_epochs > 0.")
         need(self.max_samples is None or self.max_samples > 0, f"max_samples={self.max_samples}: must be positive.")
+        need(self.image_min_pixels >= 1 and self.image_max_pixels >= self.image_min_pixels,
+             f"image_min_pixels={self.image_min_pixels}, image_max_pixels={self.image_max_pixels}: need "
+             "1 <= image_min_pixels <= image_max_pixels.")
+        need(0 <= self.seed < 2**32, f"seed={self.seed}: must be in [0, 2**32) (NumPy takes no other seed).")
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit}: keep at least 1 checkpoint (or leave it unset).")
         # a bad compile option is an error now; whether the device exists is checked when training
@@ -154,6 +177,9 @@ def _check_type(key: str, value: Any) -> Any:
 def from_mapping(mapping: dict[str, Any]) -> TrainConfig:
     values, compile_options = {}, {}
     for key, value in mapping.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"config key {key!r} ({type(key).__name__}): keys are names such as learning_rate "
+                              "(a YAML key like `1: x` or `true: x` is not one).")
         if key in _FIELDS:
             values[key] = _check_type(key, value)
         elif key in _OPTION_FIELDS:

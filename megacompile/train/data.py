@@ -114,19 +114,53 @@ def _data_files(path: Path) -> tuple[str, list[str]]:
     return kinds.pop(), [str(p) for p in files]
 
 
-def load_records(attr: DatasetAttr, dataset_dir: str | Path) -> list[dict]:
+def data_path(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False) -> Path:
+    """The resolved file or folder of a registered data set. A `file_name` that leads out of
+    `dataset_dir` (`../x.json`, an absolute path, a link) is refused unless `allow_outside`: a
+    registry copied from elsewhere must not make the trainer read (and print) any file."""
+    base = Path(dataset_dir).resolve()
+    path = (base / attr.file_name).resolve()
+    if not allow_outside and not path.is_relative_to(base):
+        raise DataError(f"data set {attr.name!r}: file_name {attr.file_name!r} resolves to {path}, outside dataset_dir "
+                        f"{base}. Move the file into dataset_dir, or set allow_outside_dataset_dir: true to read it.")
+    if not path.exists():
+        raise DataError(f"data set {attr.name!r}: {path} does not exist (file_name {attr.file_name!r} in "
+                        f"{base / 'dataset_info.json'}).")
+    return path
+
+
+def check_datasets(config) -> dict[str, str]:
+    """Check the configured data sets before anything is loaded: registered, and their files
+    present inside dataset_dir. Returns {name: resolved path or Hub id} for the log."""
+    registry = load_registry(config.dataset_dir)
+    sources = {}
+    for name in config.datasets:
+        if name not in registry:
+            raise DataError(f"data set {name!r} is not in {config.dataset_dir}/dataset_info.json "
+                            f"(registered: {', '.join(sorted(registry)) or 'none'}).")
+        attr = registry[name]
+        sources[name] = (str(data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir)) if attr.file_name
+                         else f"hf://{attr.hf_hub_url}")
+    return sources
+
+
+def load_records(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False) -> list[dict]:
     """The raw records of a registered data set, as a list of dicts."""
     import datasets
     datasets.disable_progress_bars()
     if attr.file_name:
-        path = Path(dataset_dir) / attr.file_name
-        if not path.exists():
-            raise DataError(f"data set {attr.name!r}: {path} does not exist.")
+        path = data_path(attr, dataset_dir, allow_outside)
         kind, files = _data_files(path)
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise DataError(f"data set {attr.name!r}: {path} is empty. Put records in it ({kind}) or remove "
+                            f"{attr.name!r} from dataset.")
         try:
             ds = datasets.load_dataset(kind, data_files=files, split="train")
         except Exception as e:  # datasets wraps parser errors in several exception types
             cause = e.__cause__ or e
+            if isinstance(cause, StopIteration) or "corresponds to no data" in str(cause):
+                raise DataError(f"data set {attr.name!r}: {path} holds no records. Put records in it or remove "
+                                f"{attr.name!r} from dataset.") from None
             raise DataError(f"data set {attr.name!r}: could not read {path} as {kind} "
                             f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}). "
                             "Check that the file is complete and in that format.") from None
@@ -142,6 +176,8 @@ def load_records(attr: DatasetAttr, dataset_dir: str | Path) -> list[dict]:
                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, download "
                             "it elsewhere and register it with file_name instead.") from None
     records = ds.to_list()
+    if not records:
+        raise DataError(f"data set {attr.name!r} holds no records.")
     if attr.num_samples is not None:
         records = records[: attr.num_samples]
     return records
@@ -262,19 +298,18 @@ def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> list[Exampl
 def build_examples(config, tokenizer, images=None) -> tuple[list[Example], dict[str, int]]:
     """Every example of the configured data sets, and counts (samples, dropped) for the log.
     `images` (images.ImageInputs) handles the records' images for a vision-language model."""
+    check_datasets(config)
     registry = load_registry(config.dataset_dir)
     examples: list[Example] = []
-    counts = {"samples": 0, "dropped": 0}
+    counts = {"samples": 0, "dropped": 0, "records": {}}
     template = chat_template(tokenizer, config.template) if config.stage == "sft" else None
     for name in config.datasets:
-        if name not in registry:
-            raise DataError(f"data set {name!r} is not in {config.dataset_dir}/dataset_info.json "
-                            f"(registered: {', '.join(sorted(registry)) or 'none'}).")
         attr = registry[name]
-        records = load_records(attr, config.dataset_dir)
+        records = load_records(attr, config.dataset_dir, config.allow_outside_dataset_dir)
         if config.max_samples is not None:
             records = records[: config.max_samples]
         counts["samples"] += len(records)
+        counts["records"][name] = len(records)
         if config.stage == "pt":
             column = {**PT_COLUMNS, **attr.columns}["prompt"]
             if records and column not in records[0]:
@@ -318,6 +353,16 @@ def build_examples(config, tokenizer, images=None) -> tuple[list[Example], dict[
         counts["packed_from"] = len(examples)
         examples = pack(examples, config.cutoff_len, config.seed)
     return examples, counts
+
+
+def fingerprint(examples: list[Example]) -> str:
+    """A digest of the examples' tokens, labels, positions and image paths, in order: a resumed
+    run must read the same examples (the data position in a checkpoint is an index into them)."""
+    import hashlib
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(json.dumps([ex.input_ids, ex.labels, ex.position_ids, ex.images], separators=(",", ":")).encode())
+    return h.hexdigest()[:32]
 
 
 def pack(examples: list[Example], cutoff_len: int, seed: int) -> list[Example]:

@@ -1,15 +1,21 @@
 """The training loop behind `megatrain train`.
 
-    config -> preflight (host RAM) -> data (registry, template, masks; one example printed)
-           -> torch.compile(model, backend="megatrain") -> HostAdamW on fp32 masters + LR schedule
+    config (checked) -> output_dir (locked, checked: run_dir.py) -> the resumed checkpoint (read,
+           compared with the config: resume.py) -> data sets (registered, inside dataset_dir)
+           -> model source (folder / Hub id, tokenizer; model_source.py) -> preflight on the meta
+           model (host RAM, device plan: preflight.py) -> examples (one printed; fingerprinted)
+           -> weights loaded -> torch.compile(model, backend="megatrain") -> HostAdamW on fp32
+              masters + LR schedule -> the old run's files deleted / a resumed branch's retired
            -> steps: accumulate micro-batches (loss normalised by the step's trained tokens),
-              clip, skip non-finite steps, log (tqdm, JSONL, TensorBoard), checkpoint
-           -> HF model folder in output_dir (+ loss plot)
+              clip, skip non-finite steps (stop after max_consecutive_skipped_steps in a row),
+              check the updated weights are finite, log (tqdm, JSONL, TensorBoard), checkpoint
+           -> HF model folder in output_dir (+ loss plot); a run that trained nothing fails
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -17,67 +23,22 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, MegatrainError
-from ..hardware import host_memory_bytes
 from .. import vlm
-from ..options import Options
-from ..presets import keep_layers
+from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
-from . import checkpoint
+from . import checkpoint, resume
 from .config import TrainConfig
-from .data import IGNORE, Order, build_examples, collate, show_example
+from .data import IGNORE, Order, build_examples, check_datasets, collate, fingerprint, show_example
 from .images import image_inputs
-
-LOG_NAME = "train_log.jsonl"
-
-
-class PreflightError(MegatrainError):
-    """The run cannot fit this machine; the message says what to change."""
-
-
-# model ------------------------------------------------------------------------------
-def _dtype(config: TrainConfig, device: torch.device, checkpoint_dtype=None) -> torch.dtype:
-    if config.torch_dtype != "auto":
-        return getattr(torch, config.torch_dtype)
-    if device.type == "cuda":
-        return checkpoint_dtype if checkpoint_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-    return torch.float32
+from .model_source import ModelSource
+from .preflight import PreflightError, check_device, plan_check, preflight  # noqa: F401 (PreflightError: API)
+from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log
 
 
 def load_model(config: TrainConfig, device: torch.device):
     """(model, tokenizer, processor); the processor (images) only for a vision-language model."""
-    source = config.model_name_or_path
-    processor = None
-    if source.startswith("embedded:"):
-        if source != "embedded:smollm2":
-            raise ConfigError(f"model_name_or_path={source!r}: the embedded model is embedded:smollm2.")
-        from ..embedded import load_smollm2
-        model, tokenizer = load_smollm2(torch_dtype=_dtype(config, device, torch.bfloat16),
-                                        num_layers=config.num_layers)
-    else:
-        from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor,
-                                  AutoTokenizer)
-        remote = config.trust_remote_code
-        try:
-            hf_config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
-            vision = getattr(hf_config, "vision_config", None) is not None
-            if vision:   # a VLM: its processor carries the tokenizer and the image processor
-                processor = AutoProcessor.from_pretrained(source, trust_remote_code=remote)
-                tokenizer = processor.tokenizer
-            else:
-                tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=remote)
-        except OSError as e:
-            raise ConfigError(f"model_name_or_path={source!r}: {str(e).splitlines()[0]}") from None
-        if config.num_layers:
-            keep_layers(hf_config, config.num_layers)
-        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        model = auto.from_pretrained(source, config=hf_config, trust_remote_code=remote,
-                                     dtype=_dtype(config, device, getattr(hf_config, "dtype", None)))
-    model.config.use_cache = False
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token   # padding is masked by position, never by id
-    return model.train(), tokenizer, processor
+    return ModelSource(config, device).load()
 
 
 _RECURRENT = ("Mamba", "DeltaNet", "Recurrent", "ShortConv", "LinearAttention", "Lightning", "Lru")
@@ -95,63 +56,6 @@ def check_packing(model) -> None:
     if recurrent or layer_types:
         raise ConfigError(f"packing: true with {model.config.model_type}: its {', '.join(recurrent or layer_types)} "
                           "layers would carry state from one packed sample into the next. Set packing: false.")
-
-
-def preflight(model, device: torch.device, vision: str = "frozen") -> str:
-    """Host RAM the store needs against what the machine has (refuses a run that cannot fit)."""
-    from ..plan import _fmt, host_bytes, vision_device_bytes
-    need = host_bytes(model, device.type)
-    have = host_memory_bytes()
-    params = sum(p.numel() for p in model.parameters())
-    on_device = vision_device_bytes(model, vision)
-    text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {_fmt(need.total)} "
-            f"(masters {_fmt(need.masters)}, AdamW {_fmt(need.optimizer_state)}, transfer copies "
-            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}) of {_fmt(have)}; device {device}"
-            + (f" (vision tower, {vision}: {_fmt(on_device)} on it)" if on_device else ""))
-    if need.total > have:
-        raise PreflightError(f"{text}: not enough host RAM. Add {_fmt(need.total - have)}, train a smaller model, "
-                             "or freeze part of it.")
-    return text
-
-
-def _hardware(config: TrainConfig, device: torch.device, dtype: torch.dtype):
-    """The profile the plan simulates: the `hardware` option, else this machine's (the CPU's
-    measured rates; a CUDA GPU's closest built-in profile with its real free memory)."""
-    import dataclasses
-
-    from ..hardware import BUILTIN, load_hardware
-    spec = config.megatrain.get("hardware")
-    if spec is not None:
-        return load_hardware(spec, dtype)
-    if device.type == "cpu":   # memory figures only: rooflines instead of timing every body
-        return dataclasses.replace(load_hardware("cpu", dtype), measure_ops=False)
-    profile = Options.from_mapping(config.megatrain).hardware_profile() or BUILTIN["h100"]
-    free, _ = torch.cuda.mem_get_info(device)
-    return dataclasses.replace(profile, device_memory_gib=free / 2**30)
-
-
-def plan_check(model, config: TrainConfig, device: torch.device) -> str:
-    """The device half of the preflight, from `megatrain plan`: the step's device peak at
-    per_device_train_batch_size x cutoff_len against the usable device memory (on the CPU, the
-    RAM left after the host store). Refuses a run that cannot fit, saying what to change."""
-    from ..plan import _fmt, plan_model
-    dtype = next(model.parameters()).dtype
-    batch = config.per_device_train_batch_size
-    options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head", "logits")}
-    plan = plan_model(model.config, hardware=_hardware(config, device, dtype), seq=config.cutoff_len, batch=batch,
-                      slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
-                      vision=config.vision)
-    est = next((b for b in plan.batches if b.batch == batch), None)   # None: not even batch 1 fits
-    if est is None or est.device_peak_bytes > plan.device_capacity:
-        raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} does not fit the "
-                             f"{_fmt(plan.device_capacity)} usable on {device} ({plan.hardware['name']} profile). "
-                             + " ".join(plan.problems) + " In the config: lower per_device_train_batch_size (raise "
-                             "gradient_accumulation_steps to keep the effective batch) or cutoff_len.")
-    text = (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
-            f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
-            f"{_fmt(plan.device_weight_bytes)}); about {est.step_seconds * config.gradient_accumulation_steps:.2f} "
-            f"s/step ({plan.hardware['name']} profile)")
-    return text
 
 
 # schedule ---------------------------------------------------------------------------
@@ -185,31 +89,6 @@ def make_optimizer(model, config: TrainConfig, device: torch.device) -> HostAdam
                      overlap=overlap)
 
 
-# output dir -------------------------------------------------------------------------
-def prepare_output(config: TrainConfig) -> Path | None:
-    """Create output_dir; returns the checkpoint to resume from, if any."""
-    out = Path(config.output_dir)
-    existing = checkpoint.checkpoints(out)
-    if config.resume_from_checkpoint not in (None, False):
-        if config.resume_from_checkpoint is True:
-            if not existing:
-                raise ConfigError(f"resume_from_checkpoint: true, but {out} holds no complete checkpoint.")
-            return existing[-1]
-        path = Path(str(config.resume_from_checkpoint))
-        if not path.is_dir():
-            raise ConfigError(f"resume_from_checkpoint={str(path)!r} does not exist.")
-        return path
-    if existing or (out / LOG_NAME).exists():
-        if not config.overwrite_output_dir:
-            raise ConfigError(f"output_dir {out} already holds a run: set resume_from_checkpoint: true to continue "
-                              "it, or overwrite_output_dir: true to start over (its checkpoints are then deleted).")
-        for old in existing:
-            shutil.rmtree(old)
-        (out / LOG_NAME).unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    return None
-
-
 def _seed(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
@@ -221,26 +100,108 @@ def _seed(seed: int) -> None:
 
 
 # the loop ---------------------------------------------------------------------------
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
 def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: bool = True) -> dict:
     """Run a training job; returns the final trainer state. `stop_at_step` ends the run early
-    (after that step's checkpoint, if one is due), as an interruption would."""
-    options = Options.from_mapping(config.megatrain)
-    device = options.torch_device
-    resume_from = prepare_output(config)
+    (after that step's checkpoint, if one is due), as an interruption would. Everything that can
+    be checked is checked before the model's weights are loaded, and nothing in output_dir is
+    deleted or moved before the first step starts."""
+    device = check_device(config)
+    with RunDir(config) as run:
+        return _train(config, run, device, stop_at_step, progress)
+
+
+def _resume_point(run: RunDir, config: TrainConfig) -> checkpoint.Loaded | None:
+    """The checkpoint to resume from, read and checked; with resume_from_checkpoint: true a
+    damaged newest checkpoint falls back to the newest one that loads (and says so)."""
+    if run.resume_from is None:
+        return None
+    if config.resume_from_checkpoint is not True:
+        return checkpoint.read(run.resume_from)
+    damaged = []
+    for path in reversed(checkpoint.checkpoints(run.out)):
+        try:
+            loaded = checkpoint.read(path)
+        except checkpoint.CheckpointError as e:
+            damaged.append(str(e).split(". ")[0])
+            continue
+        for why in damaged:
+            say(f"[megatrain] {why}: resuming from the earlier {path.name} instead.")
+        return loaded
+    raise checkpoint.CheckpointError(f"resume_from_checkpoint: true, but no checkpoint in {run.out} loads: "
+                                     + "; ".join(damaged) + ". Start the run again in a new output_dir.")
+
+
+def _check_resume(loaded: checkpoint.Loaded, config: TrainConfig) -> list[str]:
+    """Refuse the config changes that break the equivalence with the resumed run; returns the
+    ones that are applied."""
+    saved = loaded.trainer.get("config") or {}
+    refused, applied = resume.changes(saved, config.to_dict(), "data_fingerprint" in loaded.trainer)
+    if refused:
+        raise ConfigError(f"resuming {loaded.path} with {'; '.join(refused)}: these decide the sample order or what is "
+                          "trained, so the run would not continue the one in the checkpoint. Set them back, or start a "
+                          "new run in another output_dir.")
+    return applied
+
+
+def _apply_hyper(optimizer, scheduler, config: TrainConfig, total: int) -> None:
+    """After a resume: the config's learning rate and optimizer hyper-parameters, not the
+    checkpoint's (torch restores both from the state dicts). Unchanged values give the same lr."""
+    factor = lr_lambda(config, total)(scheduler.last_epoch)
+    scheduler.base_lrs = [config.learning_rate for _ in optimizer.param_groups]
+    for group, decay in zip(optimizer.param_groups, (config.weight_decay, 0.0)):
+        group.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=decay,
+                     initial_lr=config.learning_rate, lr=config.learning_rate * factor)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
+def _last_checkpoint(out: Path) -> str:
+    found = checkpoint.checkpoints(out)
+    return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written"
+
+
+def _check_weights(optimizer, names: dict[int, str], step: int, out: Path) -> None:
+    bad = [names.get(id(p), "?") for p in optimizer.nonfinite()]
+    if bad:
+        raise TrainingError(f"the optimizer step {step} left NaN or inf in {', '.join(bad[:3])}"
+                            f"{' ...' if len(bad) > 3 else ''}: the run diverged. Lower learning_rate (or "
+                            f"weight_decay, or raise warmup_steps) and resume; {_last_checkpoint(out)}.")
+
+
+def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step: int | None, progress: bool) -> dict:
+    out = run.out
+    for note in run.notes:
+        say(f"[megatrain] {note}")
+    loaded = _resume_point(run, config)
+    applied = _check_resume(loaded, config) if loaded is not None else []
+    sources = check_datasets(config)
     _seed(config.seed)
-    model, tokenizer, processor = load_model(config, device)
+    source = ModelSource(config, device)
+    arch = source.meta_model()
     if config.packing and config.stage == "sft":
-        check_packing(model)
-    print(preflight(model, device, config.vision), flush=True)
-    print(plan_check(model, config, device), flush=True)
-    images = image_inputs(config, model, processor)
-    examples, counts = build_examples(config, tokenizer, images)
+        check_packing(arch)
+    say(preflight(arch, device, config.vision))
+    say(plan_check(arch, config, device))
+    images = image_inputs(config, arch, source.processor)
+    examples, counts = build_examples(config, source.tokenizer, images)
+    for name, where in sources.items():
+        say(f"[megatrain] data set {name}: {where} ({counts['records'][name]} records)")
     packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
     cut = (f", {counts['dropped_images']} dropped: cutoff_len cut into an image" if "dropped_images" in counts
            else "")
-    print(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples "
-          f"({counts['dropped']} dropped: no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, "
-          f"[[not trained]]:\n{show_example(tokenizer, examples[0])}", flush=True)
+    say(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples ({counts['dropped']} dropped: "
+        f"no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, [[not trained]]:\n"
+        f"{show_example(source.tokenizer, examples[0])}")
+    data_fingerprint = fingerprint(examples)
+    if loaded is not None and loaded.trainer.get("data_fingerprint", data_fingerprint) != data_fingerprint:
+        changed = resume.data_changes(loaded.trainer.get("config") or {}, config.to_dict())
+        raise ConfigError(f"resuming {loaded.path} with other training examples ("
+                          + ("; ".join(changed) if changed else "the data files' contents changed") + "): the data "
+                          "position in the checkpoint would point into different samples. Resume with the data it was "
+                          "trained on, or start a new run in another output_dir.")
 
     batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
     order = Order(len(examples), batch, config.seed)
@@ -249,7 +210,12 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
         raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch} x "
                           f"gradient_accumulation_steps={accum}: lower them or add data.")
     total = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
+    finished = loaded is not None and loaded.step >= total
+    if finished and export_step(out) == loaded.step:
+        raise ConfigError(f"{loaded.path} is the end of the run (step {loaded.step} of {total}) and its model is "
+                          f"exported in {out}: nothing to train. Raise max_steps (or num_train_epochs) to train on.")
 
+    model, tokenizer, processor = source.load()
     # the trainer reads only the loss: the LM head and the loss run fused, no [tokens, vocab] logits
     compile_options = {"logits": "drop", **config.megatrain}
     if device.type == "cuda" and compile_options.get("device_budget") is None:
@@ -264,17 +230,27 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     optimizer = make_optimizer(model, config, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
-    if resume_from is not None:
-        saved = checkpoint.load(resume_from, model, optimizer)   # (pinned by the host arenas)
+    if loaded is not None:
+        saved = checkpoint.apply(loaded, model, optimizer)   # (pinned by the host arenas)
         scheduler.load_state_dict(saved["scheduler"])
         order.load_state_dict(saved["data"])
         state = saved["state"]
-        _truncate_log(Path(config.output_dir) / LOG_NAME, state["step"])
-        print(f"[megatrain] resumed from {resume_from} at step {state['step']}", flush=True)
+        _apply_hyper(optimizer, scheduler, config, total)
+        del loaded.masters, loaded.optimizer   # (their copies are in the store and the optimizer now)
+        say(f"[megatrain] resumed from {loaded.path} at step {state['step']}"
+            + (f"; changed since, applied from here: {'; '.join(applied)}" if applied else ""))
+    if finished:
+        _export(out, model, processor or tokenizer, state["step"])
+        say(f"[megatrain] nothing left to train (step {state['step']} of {total}); exported the model of "
+            f"{loaded.path} to {out}")
+        return state
 
-    out = Path(config.output_dir)
+    for note in run.start(state["step"]):   # the old run's files go, or a resumed branch's later ones retire
+        say(f"[megatrain] {note}")
+    names = {id(p): n for n, p in model.named_parameters()}
     writer = _tensorboard(config, out)
     window: list[tuple[float, int, float]] = []   # (loss, trained tokens, seconds) since the last log
+    ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
     with open(out / LOG_NAME, "a") as log:
@@ -288,6 +264,8 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
             for i, mb in enumerate(micro):
                 # sum over tokens / the step's trained tokens: accumulation gives the mean over the step
                 out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
+                if i == 0:   # every weight has been fetched, so the last step's updates are all done
+                    _check_weights(optimizer, names, state["step"], out)
                 if i == len(micro) - 1:
                     optimizer.arm()   # overlap_optimizer=backward: layers update as their gradients land
                 out_mb.loss.backward()
@@ -297,11 +275,15 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
             # (runtime/adamw.py), not by a pass of its own over the gradients; updates made during
             # the backward are kept when it is 1 and redone otherwise
             clip = min(1.0, config.max_grad_norm / (norm + 1e-6)) if config.max_grad_norm > 0 else 1.0
+            ran += 1
             if math.isfinite(loss) and math.isfinite(norm):
                 optimizer.step(grad_scale=clip)
+                streak = 0
             else:
                 optimizer.discard()
                 state["skipped_steps"] += 1
+                skipped += 1
+                streak += 1
                 bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm});"
                           " the optimizer step is skipped, the weights are unchanged.")
             optimizer.zero_grad(set_to_none=True)
@@ -327,31 +309,71 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
                     for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
                         writer.add_scalar(f"train/{key}", row[key], state["step"])
                 window = []
+            if streak >= config.max_consecutive_skipped_steps:
+                first = state["step"] - streak + 1
+                raise TrainingError(f"{streak} steps in a row (steps {first}-{state['step']}) had a non-finite loss or "
+                                    "gradient norm and were skipped: the run is diverging, or its data or weights hold "
+                                    "NaN/inf. Lower learning_rate (or raise warmup_steps) and resume, or raise "
+                                    f"max_consecutive_skipped_steps; {_last_checkpoint(out)}.")
             if state["step"] % config.save_steps == 0 or state["step"] == total:
                 optimizer.synchronize()
+                _check_weights(optimizer, names, state["step"], out)
                 checkpoint.save(out, state["step"], model, optimizer,
                                 {"scheduler": scheduler.state_dict(), "data": order.state_dict(), "state": state,
-                                 "config": config.to_dict()}, config.save_total_limit)
+                                 "config": config.to_dict(), "data_fingerprint": data_fingerprint},
+                                config.save_total_limit)
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     bar.close()
     optimizer.synchronize()
+    _check_weights(optimizer, names, state["step"], out)
     if writer is not None:
         writer.close()
+    if ran and 2 * skipped > ran:
+        raise TrainingError(f"{skipped} of this run's {ran} steps were skipped (non-finite loss or gradient norm): the "
+                            "model trained little or nothing, so it is not exported. Lower learning_rate, check the "
+                            f"data for NaN/inf; {_last_checkpoint(out)}.")
     if state["step"] >= total:
-        model.save_pretrained(out)
-        (processor or tokenizer).save_pretrained(out)
+        _export(out, model, processor or tokenizer, state["step"])
         _plot(out)
-        print(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
-              f"{state['skipped_steps']} skipped; the model is in {out}", flush=True)
+        say(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
+            f"{state['skipped_steps']} skipped; the model is in {out}")
     return state
 
 
-def _truncate_log(path: Path, step: int) -> None:
-    """Drop the log rows an interrupted run wrote after the checkpoint it resumes from."""
-    if path.exists():
-        rows = [line for line in path.read_text().splitlines() if line.strip()]
-        path.write_text("".join(line + "\n" for line in rows if json.loads(line)["step"] <= step))
+def export_step(out: Path) -> int | None:
+    """The step whose model the folder's export holds (its manifest), or None."""
+    try:
+        return json.loads((out / EXPORT_MANIFEST).read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _export(out: Path, model, saver, step: int) -> None:
+    """The Hugging Face model folder in output_dir: written next to it, then moved in file by
+    file, and listed in megatrain_export.json (written last: a later overwrite_output_dir
+    removes exactly these files; its absence means the export did not finish)."""
+    from safetensors import SafetensorError
+    tmp = out / ".export.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    (out / EXPORT_MANIFEST).unlink(missing_ok=True)
+    try:
+        model.save_pretrained(tmp)
+        saver.save_pretrained(tmp)
+        files = sorted(p.name for p in tmp.iterdir())
+        for name in files:
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
+            os.replace(tmp / name, out / name)
+        (out / EXPORT_MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+    except (OSError, SafetensorError, RuntimeError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise checkpoint.CheckpointError(
+            f"exporting the model to {out} failed ({reason}); {_last_checkpoint(out)}, complete: make room, then run "
+            "again with resume_from_checkpoint: true to export it.") from None
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tensorboard(config: TrainConfig, out: Path):
@@ -366,7 +388,7 @@ def _tensorboard(config: TrainConfig, out: Path):
 
 
 def _plot(out: Path) -> None:
-    rows = [json.loads(line) for line in (out / LOG_NAME).read_text().splitlines() if line.strip()]
+    rows, _ = read_log(out / LOG_NAME)
     if not rows:
         return
     import matplotlib

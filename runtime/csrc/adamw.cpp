@@ -8,6 +8,8 @@
 //     v  = beta2 * v + (1 - beta2) * g * g
 //     p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //     low = round_to_nearest_even(p)                            bf16 or fp16 transfer copy
+// and returns how many of the new weights are not finite (NaN or inf; counted in the same pass,
+// so the trainer learns of a diverging update without reading the masters again).
 // These are torch.optim.AdamW's formulas in its operation order. Memory traffic is 30 bytes per
 // parameter for a bf16 copy (read p, g, m, v; write p, m, v, low) against 28 + 6 for torch's
 // fused AdamW followed by a separate copy pass.
@@ -16,6 +18,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -47,11 +50,13 @@ void parallel(int64_t n, int64_t threads, const F& body) {
 }
 
 template <int LOW>  // 0: no copy, 1: bf16, 2: fp16
-void run(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
+int64_t run(float* __restrict__ p, const float* __restrict__ g, float* __restrict__ m, float* __restrict__ v,
          void* low, int64_t n, float decay, float beta1, float beta2, float one_minus_beta1,
          float one_minus_beta2, float eps, float step_size, float bc2_sqrt, float grad_scale, int64_t threads) {
+  std::atomic<int64_t> nonfinite{0};
   parallel(n, threads, [&](int64_t begin, int64_t end) {
-#pragma omp simd
+    int64_t bad = 0;
+#pragma omp simd reduction(+ : bad)
     for (int64_t i = begin; i < end; ++i) {
       const float gi = g[i] * grad_scale;
       const float mi = m[i] + one_minus_beta1 * (gi - m[i]);
@@ -63,8 +68,11 @@ void run(float* __restrict__ p, const float* __restrict__ g, float* __restrict__
       p[i] = pi;
       if constexpr (LOW == 1) static_cast<uint16_t*>(low)[i] = to_bf16(pi);
       if constexpr (LOW == 2) static_cast<c10::Half*>(low)[i] = c10::Half(pi);
+      bad += (pi - pi != 0.0f);   // NaN and inf give NaN (no -ffast-math here: not folded to 0)
     }
+    nonfinite += bad;
   });
+  return nonfinite.load();
 }
 
 void check(const torch::Tensor& t, const char* name, int64_t n) {
@@ -74,7 +82,7 @@ void check(const torch::Tensor& t, const char* name, int64_t n) {
 
 }  // namespace
 
-void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+int64_t adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                 c10::optional<torch::Tensor> low, double lr, double beta1, double beta2, double eps,
                 double weight_decay, int64_t step, double grad_scale, int64_t threads) {
   const int64_t n = param.numel();
@@ -94,22 +102,22 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   const float decay = 1.0 - lr * weight_decay, b1 = beta1, b2 = beta2, omb1 = 1.0 - beta1, omb2 = 1.0 - beta2;
   const float f_eps = eps, f_gs = grad_scale;
   if (!low.has_value()) {
-    run<0>(p, g, m, v, nullptr, n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
-    return;
+    return run<0>(p, g, m, v, nullptr, n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
   }
   const torch::Tensor& out = *low;
   TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.numel() == n,
               "low must be a contiguous CPU tensor with ", n, " elements");
   if (out.scalar_type() == torch::kBFloat16) {
-    run<1>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
+    return run<1>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
   } else {
     TORCH_CHECK(out.scalar_type() == torch::kHalf, "low must be bfloat16 or float16");
-    run<2>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
+    return run<2>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // without the GIL: the overlapped step runs on a host thread while the training thread goes on
-  module.def("adamw_step", &adamw_step, "AdamW over flat fp32 buffers, writing the low-precision copy",
+  module.def("adamw_step", &adamw_step, "AdamW over flat fp32 buffers, writing the low-precision copy; returns "
+             "the number of non-finite new weights",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,84 @@
+"""Will the run fit this machine? Asked of the model's architecture (meta device) before its
+weights are loaded, so a run that cannot fit stops in seconds, not after loading 100 GB.
+
+    preflight(model, device, vision)       host RAM the store needs against what this process can use
+                                           (MemAvailable or the cgroup limit of a container / Slurm job)
+    plan_check(model, config, device)      the step's device peak (megatrain plan) against the usable
+                                           device memory: the GPU's free memory, or the RAM left on the CPU
+Both refuse with a PreflightError (exit code 3) that says what to change.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..errors import CannotFitError
+from ..options import Options
+
+
+class PreflightError(CannotFitError):
+    """The run cannot fit this machine; the message says what to change."""
+
+
+def preflight(model, device: torch.device, vision: str = "frozen") -> str:
+    """Host RAM the store needs against what the machine has (refuses a run that cannot fit)."""
+    from ..hardware import host_memory_limit
+    from ..plan import _fmt, host_bytes, vision_device_bytes
+    need = host_bytes(model, device.type)
+    have, why = host_memory_limit()
+    params = sum(p.numel() for p in model.parameters())
+    on_device = vision_device_bytes(model, vision)
+    text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {_fmt(need.total)} "
+            f"(masters {_fmt(need.masters)}, AdamW {_fmt(need.optimizer_state)}, transfer copies "
+            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}) of {_fmt(have)} usable ({why}); device {device}"
+            + (f" (vision tower, {vision}: {_fmt(on_device)} on it)" if on_device else ""))
+    if need.total > have:
+        raise PreflightError(f"{text}: not enough host RAM. Free or add {_fmt(need.total - have)}, train a smaller "
+                             "model, or freeze part of it.")
+    return text
+
+
+def hardware_for(config, device: torch.device, dtype: torch.dtype):
+    """(profile, sentence): what the plan simulates. The `hardware` option, else this machine's:
+    the CPU's measured rates, or the GPU's exact built-in profile (or its measured rates), with
+    the GPU's real free memory."""
+    from ..hardware import gpu_profile, load_hardware
+    spec = config.megatrain.get("hardware")
+    if spec is not None:
+        hw = load_hardware(spec, dtype)
+        return hw, f"hardware option: {hw.name} profile"
+    if device.type == "cpu":   # memory figures only: rooflines instead of timing every body
+        return dataclasses.replace(load_hardware("cpu", dtype), measure_ops=False), "this CPU, measured"
+    profile, why = gpu_profile(device, dtype)
+    free, _ = torch.cuda.mem_get_info(device)
+    return dataclasses.replace(profile, device_memory_gib=free / 2**30), why
+
+
+def plan_check(model, config, device: torch.device) -> str:
+    """The device half of the preflight, from `megatrain plan`: the step's device peak at
+    per_device_train_batch_size x cutoff_len against the usable device memory (on the CPU, the
+    RAM left after the host store). Refuses a run that cannot fit, saying what to change."""
+    from ..plan import _fmt, plan_model
+    dtype = next(model.parameters()).dtype
+    batch = config.per_device_train_batch_size
+    options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head", "logits")}
+    hardware, why = hardware_for(config, device, dtype)
+    plan = plan_model(model.config, hardware=hardware, seq=config.cutoff_len, batch=batch,
+                      slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
+                      vision=config.vision)
+    est = next((b for b in plan.batches if b.batch == batch), None)   # None: not even batch 1 fits
+    if est is None or est.device_peak_bytes > plan.device_capacity:
+        raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} does not fit the "
+                             f"{_fmt(plan.device_capacity)} usable on {device} ({why}). "
+                             + " ".join(plan.problems) + " In the config: lower per_device_train_batch_size (raise "
+                             "gradient_accumulation_steps to keep the effective batch) or cutoff_len.")
+    return (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
+            f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
+            f"{_fmt(plan.device_weight_bytes)}); about {est.step_seconds * config.gradient_accumulation_steps:.2f} "
+            f"s/step ({why})")
+
+
+def check_device(config) -> torch.device:
+    """The device the run trains on, refused now when it is not there."""
+    return Options.from_mapping(config.megatrain).torch_device
