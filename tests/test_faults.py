@@ -389,6 +389,7 @@ def test_user_errors_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys):  # noq
         "no such folder": dict(model_name_or_path=str(tmp_path / "nowhere" / "model")),
         "encoder-decoder": dict(model_name_or_path=str(t5)),
         "is a file": dict(output_dir=str(a_file)),
+        "is a file, so no folder can be made under it": dict(output_dir=str(a_file / "sub")),
         "num_layers=0": dict(num_layers=0),
         "num_layers=9, but": dict(num_layers=9),
         "num_train_epochs=inf": dict(num_train_epochs=math.inf, max_steps=-1),
@@ -402,6 +403,17 @@ def test_user_errors_are_one_line_and_exit_2(tiny_dir, tmp_path, capsys):  # noq
     bad_key = tmp_path / "bad_key.yaml"
     bad_key.write_text(f"model_name_or_path: {tiny_dir}\n1: x\n")
     assert main(["train", str(bad_key)]) == 2 and "config key 1 (int)" in one_error_line(capsys)
+
+
+def test_registry_entries_of_the_wrong_shape(tmp_path):
+    from megacompile.train.data import load_registry
+    info = tmp_path / "dataset_info.json"
+    for text, message in [("[1, 2]", "holds a JSON list"), ('{"a": {"file_name": 5}}', r"file_name=5 \(int\)"),
+                          ('{"a": {"file_name": "x.json", "columns": {"prompt": 3}}}', "columns must map"),
+                          ('{"a": {"file_name": "x.json", "num_samples": 0}}', "num_samples=0")]:
+        info.write_text(text)
+        with pytest.raises(DataError, match=message):
+            load_registry(tmp_path)
 
 
 def test_read_only_output_dir_is_refused_first(tiny_dir, tmp_path, monkeypatch, capsys):  # noqa: F811

@@ -129,9 +129,8 @@ class TrainConfig:
         need(self.num_train_epochs >= 0, f"num_train_epochs={self.num_train_epochs}: must be 0 or more.")
         need(self.max_steps > 0 or self.num_train_epochs > 0, "set max_steps > 0 or num_train_epochs > 0.")
         need(self.max_samples is None or self.max_samples > 0, f"max_samples={self.max_samples}: must be positive.")
-        need(self.image_min_pixels >= 1 and self.image_max_pixels >= self.image_min_pixels,
-             f"image_min_pixels={self.image_min_pixels}, image_max_pixels={self.image_max_pixels}: need "
-             "1 <= image_min_pixels <= image_max_pixels.")
+        for key in ("image_min_pixels", "image_max_pixels"):   # (max wins where they cross, as in LLaMA-Factory)
+            need(getattr(self, key) >= 1, f"{key}={getattr(self, key)}: must be at least 1.")
         need(0 <= self.seed < 2**32, f"seed={self.seed}: must be in [0, 2**32) (NumPy takes no other seed).")
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit}: keep at least 1 checkpoint (or leave it unset).")
@@ -157,6 +156,8 @@ def _check_type(key: str, value: Any) -> Any:
         else (hint,)
     if value is None and type(None) in allowed:
         return None
+    if value is None:   # `key:` or `key=` with nothing after it
+        raise ConfigError(f"{key} has no value: give one (e.g. {key}={_FIELDS[key].default!r}) or leave the key out.")
     if isinstance(value, str) and (float in allowed or int in allowed):
         try:  # YAML 1.1 reads `5e-5` (no dot) as a string
             number = float(value)

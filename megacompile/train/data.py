@@ -87,6 +87,9 @@ def load_registry(dataset_dir: str | Path) -> dict[str, DatasetAttr]:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise DataError(f"{path} holds a JSON {type(raw).__name__}: it must be one object of data set entries, "
+                        '{"name": {"file_name": "data.json"}, ...}.')
     registry = {}
     for name, spec in raw.items():
         if not isinstance(spec, dict):
@@ -98,8 +101,23 @@ def load_registry(dataset_dir: str | Path) -> dict[str, DatasetAttr]:
             raise DataError(f"{path}: entry {name!r} needs exactly one of file_name or hf_hub_url.")
         if spec.get("formatting", "alpaca") not in ("alpaca", "sharegpt"):
             raise DataError(f"{path}: entry {name!r} has formatting={spec['formatting']!r}; use alpaca or sharegpt.")
+        for key, kind in _ATTR_TYPES.items():
+            value = spec.get(key)
+            if value is not None and not (isinstance(value, kind) and not isinstance(value, bool)):
+                raise DataError(f"{path}: entry {name!r} has {key}={value!r} ({type(value).__name__}); expected "
+                                f"{'an object' if kind is dict else kind.__name__}.")
+        for key in ("columns", "tags"):
+            bad = {k: v for k, v in (spec.get(key) or {}).items() if not isinstance(v, str)}
+            if bad:
+                raise DataError(f"{path}: entry {name!r}: {key} must map names to column/tag strings, not {bad!r}.")
+        if spec.get("num_samples") is not None and spec["num_samples"] < 1:
+            raise DataError(f"{path}: entry {name!r} has num_samples={spec['num_samples']}; it must be at least 1.")
         registry[name] = DatasetAttr(name, **spec)
     return registry
+
+
+_ATTR_TYPES = {"file_name": str, "hf_hub_url": str, "formatting": str, "columns": dict, "tags": dict, "split": str,
+               "num_samples": int, "subset": str}
 
 
 def _data_files(path: Path) -> tuple[str, list[str]]:

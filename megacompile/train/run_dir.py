@@ -207,6 +207,9 @@ class RunDir:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"output_dir {out} is a file: set output_dir to a folder (it is created if missing).")
         existing = next((p for p in [out, *out.parents] if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise ConfigError(f"output_dir {out}: {existing} is a file, so no folder can be made under it; choose "
+                              "another output_dir.")
         if existing is None or not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(f"output_dir {out}: {existing} cannot be written by this user; choose a folder you "
                               "can write to.")

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -175,6 +176,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     out = run.out
     for note in run.notes:
         say(f"[megatrain] {note}")
+    summary_writer = _tensorboard(config)
     loaded = _resume_point(run, config)
     applied = _check_resume(loaded, config) if loaded is not None else []
     sources = check_datasets(config)
@@ -247,12 +249,44 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
 
     for note in run.start(state["step"]):   # the old run's files go, or a resumed branch's later ones retire
         say(f"[megatrain] {note}")
+    writer = summary_writer(str(out / "runs")) if summary_writer is not None else None
     names = {id(p): n for n, p in model.named_parameters()}
-    writer = _tensorboard(config, out)
-    window: list[tuple[float, int, float]] = []   # (loss, trained tokens, seconds) since the last log
-    ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
+    try:
+        ran, skipped = _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state,
+                             total, steps_per_epoch, data_fingerprint, writer, bar, out, stop_at_step)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise checkpoint.DiskSpaceError(f"the file system of {out} is full ({e}); {_last_checkpoint(out)}, "
+                                        "complete: make room, then resume with resume_from_checkpoint: true.") from None
+    finally:
+        bar.close()
+    optimizer.synchronize()
+    _check_weights(optimizer, names, state["step"], out)
+    if writer is not None:
+        writer.close()
+    if ran and 2 * skipped > ran:
+        raise TrainingError(f"{skipped} of this run's {ran} steps were skipped (non-finite loss or gradient norm): the "
+                            "model trained little or nothing, so it is not exported. Lower learning_rate, check the "
+                            f"data for NaN/inf; {_last_checkpoint(out)}.")
+    if state["step"] >= total:
+        _export(out, model, processor or tokenizer, state["step"])
+        _plot(out)
+        say(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
+            f"{state['skipped_steps']} skipped; the model is in {out}")
+    return state
+
+
+def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state, total,
+          steps_per_epoch, data_fingerprint, writer, bar, out, stop_at_step) -> tuple[int, int]:
+    """The training steps, from state["step"] to `total` (or `stop_at_step`); returns how many
+    steps ran and how many of them were skipped."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    accum = config.gradient_accumulation_steps
+    window: list[tuple[float, int, float]] = []   # (loss, trained tokens, seconds) since the last log
+    ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     with open(out / LOG_NAME, "a") as log:
         while state["step"] < total:
             t0 = time.perf_counter()
@@ -324,21 +358,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                                 config.save_total_limit)
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
-    bar.close()
-    optimizer.synchronize()
-    _check_weights(optimizer, names, state["step"], out)
-    if writer is not None:
-        writer.close()
-    if ran and 2 * skipped > ran:
-        raise TrainingError(f"{skipped} of this run's {ran} steps were skipped (non-finite loss or gradient norm): the "
-                            "model trained little or nothing, so it is not exported. Lower learning_rate, check the "
-                            f"data for NaN/inf; {_last_checkpoint(out)}.")
-    if state["step"] >= total:
-        _export(out, model, processor or tokenizer, state["step"])
-        _plot(out)
-        say(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
-            f"{state['skipped_steps']} skipped; the model is in {out}")
-    return state
+    return ran, skipped
 
 
 def export_step(out: Path) -> int | None:
@@ -376,7 +396,9 @@ def _export(out: Path, model, saver, step: int) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _tensorboard(config: TrainConfig, out: Path):
+def _tensorboard(config: TrainConfig):
+    """TensorBoard's SummaryWriter class for report_to: tensorboard (None otherwise); asked
+    before anything loads, so a missing package is said at once."""
     if config.report_to != "tensorboard":
         return None
     try:
@@ -384,7 +406,7 @@ def _tensorboard(config: TrainConfig, out: Path):
     except ImportError:
         raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard), "
                           "or use report_to: jsonl.") from None
-    return SummaryWriter(str(out / "runs"))
+    return SummaryWriter
 
 
 def _plot(out: Path) -> None:
