@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -9,10 +12,94 @@ import torch
 
 from .errors import ConfigError, MegatrainError
 
+#: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_CANNOT_FIT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+
+
+class UsageError(ConfigError):
+    """A command-line argument argparse refused (unknown flag, missing or malformed value)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors end as one `megatrain: error: ...` line (exit 2) instead of usage + exit."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+    def unknown(self, extras: list[str]):
+        """Refuse unrecognized arguments, suggesting the closest option of this (sub)command."""
+        import difflib
+        options = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        for arg in extras:
+            if arg.startswith("-"):
+                close = difflib.get_close_matches(arg.split("=")[0], options, n=1, cutoff=0.6)
+                if close:
+                    hints.append(f"{arg}: did you mean {close[0]}?")
+        self.error(f"unrecognized arguments: {' '.join(extras)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give a positive integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive integer (1 or more)")
+    if value > _MAX_SIZE:
+        raise argparse.ArgumentTypeError(f"{text!r} is too large (at most {_MAX_SIZE})")
+    return value
+
+
+_MAX_SIZE = 2**31 - 1   # batch x seq must stay a valid tensor size
+
+
+def byte_size(text: str) -> int:
+    """argparse type: a byte size with a unit (e.g. 1.5T, 512GiB, 768G)."""
+    from .options import parse_bytes
+    try:
+        value = parse_bytes(text)
+    except (ConfigError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if text.strip().isdigit() and value < 2**30:   # "--host-ram 512": bytes, surely meant GB
+        raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes; give a unit, e.g. {text.strip()}G or "
+                                         f"{text.strip()}GiB")
+    return value
+
+
+_DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+           "half": "float16", "float32": "float32", "fp32": "float32", "float": "float32"}
+
+
+def dtype_name(text: str) -> str:
+    """argparse type: a dtype name (bf16, fp16 and fp32 are accepted for bfloat16, float16, float32)."""
+    return _DTYPES.get(text.lower(), text)
+
+
+def _check_output(path: str) -> Path:
+    """Refuse, before any work, an output path that cannot be written (without creating it)."""
+    out = Path(path).expanduser()
+    if str(path).endswith(("/", os.sep)) or out.is_dir():
+        raise ConfigError(f"-o {path}: is a directory; give a file name, e.g. -o {out / 'inspect.json'}")
+    folder = out.parent
+    if not folder.exists():
+        raise ConfigError(f"-o {path}: the folder {folder} does not exist; create it first (mkdir -p {folder}) "
+                          "or write elsewhere.")
+    if not folder.is_dir():
+        raise ConfigError(f"-o {path}: {folder} is a file, not a folder.")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"-o {path}: the file is not writable (permission denied).")
+    if not out.exists() and not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"-o {path}: cannot create a file in {folder} (permission denied).")
+    return out
+
 
 def _inspect(args) -> int:
     from .hardware import load_hardware
     from .inspect import inspect_model, to_chrome_trace, to_json, to_svg, to_text
+    if args.output:
+        _check_output(args.output)
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
                            options={"recompute": args.recompute, "logits": args.logits},
@@ -26,7 +113,7 @@ def _inspect(args) -> int:
     else:
         text = to_text(report, args.show)
     if args.output:
-        Path(args.output).write_text(text)
+        Path(args.output).expanduser().write_text(text)
         print(f"wrote {args.output} ({report['inspect_seconds']:.1f} s)", file=sys.stderr)
     else:
         print(text)
@@ -37,14 +124,13 @@ def _plan(args) -> int:
     import json as _json
 
     from .hardware import load_hardware
-    from .options import parse_bytes
     from .plan import plan_model, to_text
     dtype = getattr(torch, args.dtype)
     hardware = load_hardware(args.gpu, dtype)
     if args.host_ram is None and hardware.name != "cpu":
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
-    host_ram = parse_bytes(args.host_ram) if args.host_ram is not None else None
+    host_ram = args.host_ram   # (bytes: byte_size)
     model, seq, slots, recompute, vision = args.model, args.seq, args.slots, args.recompute, args.vision
     logits = args.logits
     if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots
@@ -77,17 +163,17 @@ def _train(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatrain", description="Train LLMs larger than accelerator memory.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = ArgumentParser(prog="megatrain", description="Train LLMs larger than accelerator memory.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,plan,train}")
     i = sub.add_parser("inspect", help="dump graphs, pass records, the schedule and the memory plan of a model",
                        description="Build MODEL on the meta device (no weights allocated), run the real capture "
                                    "and passes, and print what megatrain would do.")
     i.add_argument("model", help="a preset name (e.g. llama-3-70b), a config.json path or a model directory")
-    i.add_argument("--layers", type=int, help="keep only the first N decoder layers")
-    i.add_argument("--batch", type=int, default=1)
-    i.add_argument("--seq", type=int, default=4096)
-    i.add_argument("--slots", type=int, default=2)
-    i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    i.add_argument("--layers", type=positive_int, help="keep only the first N decoder layers")
+    i.add_argument("--batch", type=positive_int, default=1)
+    i.add_argument("--seq", type=positive_int, default=4096)
+    i.add_argument("--slots", type=positive_int, default=2)
+    i.add_argument("--dtype", default="bfloat16", type=dtype_name, choices=["bfloat16", "float16", "float32"])
     i.add_argument("--recompute", default="layer", choices=["layer", "selective"],
                    help="layer: recompute whole layers; selective: keep matmul/attention outputs")
     i.add_argument("--logits", default="drop", choices=["drop", "keep"],
@@ -112,13 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "directory, or a `megatrain train` YAML config (its model and cutoff_len)")
     pl.add_argument("--gpu", default="h200", help="hardware profile: h200, h100, gh200, a100, cpu (measured "
                                                    "here) or a JSON profile path")
-    pl.add_argument("--host-ram", help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
+    pl.add_argument("--host-ram", type=byte_size, help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
                                        "--gpu cpu: this machine's)")
-    pl.add_argument("--seq", type=int, help="sequence length (tokens per sample; default 4096, or a train "
+    pl.add_argument("--seq", type=positive_int, help="sequence length (tokens per sample; default 4096, or a train "
                                              "config's cutoff_len)")
-    pl.add_argument("--batch", type=int, help="check this batch size (default: report the largest and the best)")
-    pl.add_argument("--slots", type=int, default=2, help="decoder-layer weight slots on the device")
-    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--batch", type=positive_int, help="check this batch size (default: report the largest and the best)")
+    pl.add_argument("--slots", type=positive_int, default=2, help="decoder-layer weight slots on the device")
+    pl.add_argument("--dtype", default="bfloat16", type=dtype_name, choices=["bfloat16", "float16", "float32"])
     pl.add_argument("--recompute", default="layer", choices=["layer", "selective"],
                     help="layer: recompute whole layers (least memory); selective: keep matmul/attention outputs")
     pl.add_argument("--logits", default="drop", choices=["drop", "keep"],
@@ -128,29 +214,75 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a vision-language model's vision tower: frozen (default) or trained (on the device)")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
+    # "--host-ram -5G" is a (bad) value, not an option: byte_size then says what is wrong with it
+    pl._negative_number_matcher = re.compile(r"^-\d*\.?\d+[A-Za-z]*$")
 
     t = sub.add_parser("train", help="train a model from a YAML config (LLaMA-Factory key names)",
                        description="Fine-tune (stage: sft) or pre-train (stage: pt) a model: data from a "
                                    "dataset_info.json registry, checkpoints in output_dir, an HF model at the end.")
     t.add_argument("config", help="YAML config file (see examples/)")
     t.add_argument("overrides", nargs=argparse.REMAINDER,
-                   help="key=value overrides, e.g. learning_rate=1e-4 max_steps=20")
+                   help="key=value overrides, e.g. learning_rate=1e-4 max_steps=20").required = False
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to output_dir)")
     t.set_defaults(func=_train)
+    p.subparser = lambda name: sub.choices.get(name, p)
     return p
 
 
+def _megatrain_error(e: BaseException) -> MegatrainError | None:
+    """The MegatrainError behind `e`: itself, the error Dynamo wrapped (`inner_exception` of
+    BackendCompilerFailed) or one in its chain of causes (`__cause__`/`__context__`)."""
+    seen, todo = set(), [e]
+    while todo:
+        err = todo.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, MegatrainError):
+            return err
+        todo += [getattr(err, "inner_exception", None), err.__cause__, err.__context__]
+    return None
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
+
+
+#: OS errors about the user's files or machine (not megatrain's code): a user error
+_USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.ENOSPC, errno.EROFS,
+                getattr(errno, "EDQUOT", -1)}
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the exit code (README, "Errors"): 0 done, 1 internal error
+    (a bug: traceback + one `megatrain: internal error:` line), 2 a user error (one
+    `megatrain: error:` line saying what to change), 3 it cannot fit the machine, 4 training
+    failed, 130 interrupted."""
+    import traceback
     try:
+        parser = build_parser()
+        try:
+            args, extras = parser.parse_known_args(argv)
+        except SystemExit as e:   # --help (prints, exits 0)
+            return e.code if isinstance(e.code, int) else EXIT_OK
+        if extras:
+            parser.subparser(args.command).unknown(extras)
         return args.func(args)
+    except KeyboardInterrupt:
+        print("megatrain: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except Exception as e:
-        inner = getattr(e, "inner_exception", None)   # Dynamo wraps backend errors
-        error = e if isinstance(e, MegatrainError) else inner if isinstance(inner, MegatrainError) else None
-        if error is None:
-            raise
-        print(f"megatrain: error: {error}", file=sys.stderr)
-        return 2
+        error = _megatrain_error(e)
+        if error is not None:
+            print(f"megatrain: error: {_one_line(error)}", file=sys.stderr)
+            return getattr(error, "exit_code", EXIT_USAGE)
+        if isinstance(e, OSError) and e.errno in _USER_ERRNOS and e.filename is not None:
+            print(f"megatrain: error: {e.filename}: {e.strerror}", file=sys.stderr)
+            return EXIT_USAGE
+        traceback.print_exc()
+        print(f"megatrain: internal error: {_one_line(f'{type(e).__name__}: {e}')[:500]} -- this is a bug in "
+              "megatrain: please report it with the command line and the traceback above.", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -106,9 +106,51 @@ def build_model_from_config(config, layers: int | None, dtype: torch.dtype):
     return model.train()
 
 
+def check_positive(**values) -> None:
+    """Refuse sizes that are not whole numbers >= 1 (None: not given)."""
+    from .errors import ConfigError
+    for name, value in values.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{name}={value!r}: give a positive integer (--{name} N, N >= 1).")
+
+
+def check_decoder_only(config, source) -> None:
+    """Refuse, before anything is built or traced, a config megatrain cannot train: an
+    encoder-decoder model (T5, BART, Whisper), or one transformers has no causal-LM class for.
+    (Encoder-only models that do have one, e.g. BERT, are refused once built: capture.check_model.)"""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+    from .errors import UnsupportedModelError
+    name = source if isinstance(source, str) else type(config).__name__
+    model_type = getattr(config, "model_type", None)
+    supported = "megatrain trains decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, Mixtral, DeepSeek, ...) " \
+                "and the language stack of VLMs"
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{name} (model_type={model_type!r}) is an encoder-decoder model; {supported}. "
+                                    "Give the config of a decoder-only model.")
+    vlm = getattr(config, "vision_config", None) is not None
+    mapping = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES if vlm else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if model_type not in mapping:
+        raise UnsupportedModelError(f"{name} (model_type={model_type!r}) has no "
+                                    f"{'image-text-to-text' if vlm else 'causal-LM (decoder-only)'} model in "
+                                    f"transformers; {supported}. Give the config of a decoder-only model.")
+
+
 def build_meta_model(source: str, layers: int | None, dtype: torch.dtype):
+    """A model on the meta device from a preset, config.json or model directory (presets.load_config),
+    after checking it is a decoder-only LM and `layers` is at most its depth."""
+    from .capture import check_model
+    from .errors import ConfigError
     config = load_config(source)
+    check_decoder_only(config, source)
+    if layers is not None:
+        depth = config.get_text_config(decoder=True).num_hidden_layers
+        if not 1 <= layers <= depth:
+            raise ConfigError(f"--layers {layers}: {source} has {depth} decoder layers; give 1 to {depth}, "
+                              "or leave --layers out to keep them all.")
     model = build_model_from_config(config, layers, dtype)
+    check_model(model, training=True, use_cache=False)   # encoder-only (bidirectional) models
     return model, model.config
 
 
@@ -150,8 +192,10 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
     overlap="backward", norm not clipped; `megatrain train`'s default on CUDA); "forward": the
     last step's updates run under this forward, each before its segment's prefetch
     (overlap="forward", or a clipped step under "backward"); None: after the backward."""
+    from .errors import ConfigError
     if overlap_optimizer not in (None, "backward", "forward"):
-        raise ValueError(f"overlap_optimizer={overlap_optimizer!r}: None, 'backward' or 'forward'")
+        raise ConfigError(f"overlap_optimizer={overlap_optimizer!r}: None, 'backward' or 'forward'")
+    check_positive(batch=batch, seq=seq, slots=slots, layers=layers)
     t_start = time.perf_counter()
     model, config = build_meta_model(source, layers, dtype)
     params = sum(p.numel() for p in model.parameters())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -257,7 +258,9 @@ class Options:
         if self.hardware is not None:
             return load_hardware(self.hardware, torch.float32 if self.torch_device.type == "cpu" else torch.bfloat16)
         if self.torch_device.type == "cuda":
-            return gpu_profile(self.torch_device, torch.bfloat16)[0]
+            profile, why = gpu_profile(self.torch_device, torch.bfloat16)
+            logging.getLogger("megacompile").info("schedule cost model: %s", why)   # which profile is assumed
+            return profile
         return None
 
     @property

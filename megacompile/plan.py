@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .cost_model import body_seconds, optimizer_seconds
-from .errors import MegatrainError
+from .errors import CannotFitError
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
@@ -49,7 +49,7 @@ PROCESS_OVERHEAD = {"cuda": 4 * GiB, "cpu": 1 * GiB}
 DEVICE_RESERVE_FRACTION, DEVICE_RESERVE_BYTES = 0.05, 1 * GiB
 
 
-class CannotPlanError(MegatrainError):
+class CannotPlanError(CannotFitError):
     """The model cannot train on this machine as asked; the message says what would fit."""
 
 
@@ -286,14 +286,21 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
     tower is frozen or trained (megacompile/vlm.py)."""
     options = {"logits": "drop", **(options or {})}
-    from .inspect import build_meta_model
+    from .errors import ConfigError
+    from .inspect import build_meta_model, check_positive
     from .vlm import VISION_MODES, is_vlm
     if vision not in VISION_MODES:
-        raise CannotPlanError(f"vision={vision!r}: use one of {', '.join(VISION_MODES)}.")
+        raise ConfigError(f"vision={vision!r}: use one of {', '.join(VISION_MODES)}.")
+    check_positive(seq=seq, batch=batch, slots=slots, max_batch=max_batch)
+    if host_ram is not None and (not isinstance(host_ram, int) or host_ram < 1):
+        raise ConfigError(f"host_ram={host_ram!r}: give the host RAM in bytes (a positive integer).")
     model, config = build_meta_model(source, None, dtype)
     device_type = "cpu" if hardware.name == "cpu" else "cuda"
     host = host_bytes(model, device_type)
     vlm = is_vlm(model)
+    if vision == "train" and not vlm:
+        raise ConfigError(f"vision='train' (--vision train): {source if isinstance(source, str) else 'the model'} "
+                          "is a text-only model, it has no vision tower to train; leave --vision out.")
     vision_bytes = vision_device_bytes(model, vision)
     params = sum(p.numel() for p in model.parameters())
     # what an optimizer updates: the store's weights, and a trained vision tower's

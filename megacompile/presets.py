@@ -64,6 +64,11 @@ PRESETS: dict[str, dict] = {
                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
                         max_position_embeddings=163840, tie_word_embeddings=False),
     # more dense models
+    # SmolLM2-135M-Instruct, `megatrain train`'s embedded quickstart model (model_name_or_path: embedded:smollm2)
+    "smollm2-135m": dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True),
     "llama-3.1-405b": dict(model_type="llama", vocab_size=128256, hidden_size=16384, intermediate_size=53248,
                            num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
                            max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
@@ -159,26 +164,110 @@ def keep_layers(config: PretrainedConfig, num_layers: int) -> PretrainedConfig:
     return config
 
 
+#: model sources that name a preset in another way (the embedded quickstart model of `megatrain train`)
+ALIASES = {"embedded:smollm2": "smollm2-135m", "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m"}
+
+
+def _looks_like_path(source: str) -> bool:
+    """A source the user meant as a file or folder (not a preset name or an `org/name` Hub id)."""
+    return (source.startswith(("/", "./", "../", "~", "\\")) or source in (".", "..") or source.count("/") > 1
+            or source.lower().endswith((".json", ".yaml", ".yml", ".safetensors", ".bin", ".gguf"))
+            or "\\" in source or (len(source) > 1 and source[1] == ":"))
+
+
+def _suggest(source: str) -> str:
+    """ "Did you mean 'x'? " for the closest preset name or Hub id, or ""."""
+    import difflib
+    names = {n.lower(): n for n in [*PRESETS, *HUB_IDS, *ALIASES]}
+    key = source.lower().strip()
+    squash = {n.replace("-", "").replace("_", "").replace(".", ""): n for n in names}
+    s = key.replace("-", "").replace("_", "").replace(".", "")
+    close = [names[key]] if key in names else [names[squash[s]]] if s in squash else \
+        [names[n] for n in difflib.get_close_matches(key, names, n=1, cutoff=0.75)]
+    return f"Did you mean {close[0]!r}? " if close else ""
+
+
+def _from_values(values: dict, where: str) -> PretrainedConfig:
+    """A transformers config from `values` (a config.json's mapping); errors say what to change."""
+    model_type = values.pop("model_type")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        import difflib
+
+        import transformers
+        close = difflib.get_close_matches(str(model_type), list(CONFIG_MAPPING.keys()), n=1, cutoff=0.75)
+        raise ConfigError(f"{where}: model_type {model_type!r} is not a model type transformers "
+                          f"{transformers.__version__} knows" + (f"; did you mean {close[0]!r}?" if close else
+                          " (a newer transformers may have it, or the model needs trust_remote_code, which "
+                          "`megatrain plan` and `inspect` do not run)."))
+    try:   # transformers' config validation raises huggingface_hub's strict-dataclass errors
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        StrictDataclassError = ValueError
+    try:
+        return AutoConfig.for_model(model_type, **values)
+    except (ValueError, TypeError, StrictDataclassError) as e:
+        detail = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise ConfigError(f"{where}: not a valid {model_type} config: {detail}") from None
+
+
 def load_config(source: str | PretrainedConfig) -> PretrainedConfig:
     """A preset name or Hub id of one, a `config.json` path, a model directory holding one, or a
-    config object (a copy of it)."""
+    config object (a copy of it). Errors (ConfigError) say what is wrong with `source`: a path
+    that does not exist, a folder without config.json, a file that is not a config, a preset name
+    with a typo (with the closest name)."""
     if isinstance(source, PretrainedConfig):
         import copy
         return copy.deepcopy(source)
-    source = HUB_IDS.get(source, source)
-    if source in PRESETS:
-        values = dict(PRESETS[source])
+    if not isinstance(source, str) or not source.strip():
+        raise ConfigError(f"model {source!r}: give a preset name (e.g. llama-3-8b), a config.json path or a "
+                          "model directory.")
+    source = ALIASES.get(source, source)
+    name = HUB_IDS.get(source, source)
+    if name in PRESETS:
+        values = dict(PRESETS[name])
         return AutoConfig.for_model(values.pop("model_type"), **values)
-    path = Path(source)
+    path = Path(source).expanduser()
+    if not path.exists():
+        if _looks_like_path(source):
+            missing = next((p for p in [path, *path.parents] if not p.exists() and p.parent.exists()), path)
+            where = "" if missing == path else f" (nor does {missing.absolute()})"
+            raise ConfigError(f"model path {source} does not exist{where}: give a config.json file or a model "
+                              "directory holding one, or a preset name (e.g. llama-3-8b).")
+        if "/" in source:   # org/name: a Hub id megatrain has no preset for; try the local Hub cache
+            try:
+                return AutoConfig.from_pretrained(source, local_files_only=True)
+            except (OSError, ValueError):   # not cached, or not a config transformers can read
+                pass
+            raise ConfigError(f"model {source!r}: no such path exists, and it is not the Hub id of a preset "
+                              f"(nor in the local Hugging Face cache). {_suggest(source)}`megatrain plan` and "
+                              "`inspect` work offline: download the model's config.json and pass its path, or use "
+                              f"a preset: {', '.join(PRESETS)}.")
+        raise ConfigError(f"model {source!r} is neither a preset nor an existing config.json file or model "
+                          f"directory. {_suggest(source)}Presets: {', '.join(PRESETS)}.")
     if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model directory {source} has no config.json: point MODEL at a Hugging Face model "
+                              "directory (with config.json) or at the config.json file itself.")
         path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(f"{source!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
-                          "file or a model directory containing one.")
+    if path.suffix.lower() in (".yaml", ".yml"):
+        raise ConfigError(f"{path} is a YAML file: a model is a config.json, a model directory or a preset "
+                          "(`megatrain plan` takes a `megatrain train` YAML config; `megatrain inspect` does not).")
     try:
-        values = json.loads(path.read_text())
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text file: give the model's config.json (a JSON file).") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}.") from None
+    if not text.strip():
+        raise ConfigError(f"{path} is empty: give the model's config.json (a JSON object with 'model_type').")
+    try:
+        values = json.loads(text)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path} holds a JSON {type(values).__name__}, not an object: is it a HuggingFace "
+                          "config.json?")
     if "model_type" not in values:
         raise ConfigError(f"{path} has no 'model_type'; is it a HuggingFace config.json?")
-    return AutoConfig.for_model(values.pop("model_type"), **values)
+    return _from_values(values, str(path))

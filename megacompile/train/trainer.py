@@ -261,6 +261,13 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
             raise
         raise checkpoint.DiskSpaceError(f"the file system of {out} is full ({e}); {_last_checkpoint(out)}, "
                                         "complete: make room, then resume with resume_from_checkpoint: true.") from None
+    except (torch.OutOfMemoryError, RuntimeError) as e:   # the plan's peak was not the real one
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        raise PreflightError(f"step {state['step'] + 1} ran out of {device} memory "
+                             f"({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}): lower "
+                             "per_device_train_batch_size (raise gradient_accumulation_steps to keep the effective "
+                             f"batch) or cutoff_len, then resume; {_last_checkpoint(out)}.") from None
     finally:
         bar.close()
     optimizer.synchronize()
