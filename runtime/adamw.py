@@ -180,6 +180,11 @@ class HostAdamW(torch.optim.Optimizer):
         self._armed = True
         grad_offload.listen(self._on_gradient, self._guard)
 
+    @property
+    def armed(self) -> bool:
+        """Between `arm()` and `step()` / `discard()`."""
+        return self._armed
+
     def _guard(self) -> str | None:
         if self._spec:
             return ("megatrain: a forward or backward after the backward that HostAdamW.arm() was for: the weights "
@@ -382,7 +387,7 @@ class HostAdamW(torch.optim.Optimizer):
             state["step"] += 1
             bad = ext.adamw_step(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, lr, beta1, beta2, eps, wd,
                                  int(state["step"].item()), grad_scale, threads)
-            self._nonfinite[p] = bad > 0
+            self._nonfinite[p] = bad > 0 if bad is not None else not bool(torch.isfinite(weights).all())
         else:
             state["step"] += 1
             _fallback(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, state["step"], lr, beta1, beta2,

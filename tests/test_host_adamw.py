@@ -161,7 +161,7 @@ def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
         def adamw_step(self, *args):
             slow_calls.append(1)
             time.sleep(0.002)
-            real.adamw_step(*args)
+            return real.adamw_step(*args)
 
     runs = {}
     for overlap in (False, True):
@@ -262,7 +262,7 @@ def test_updates_during_the_backward_equal_the_step_after_it(dtype, monkeypatch)
         def adamw_step(self, *args):
             threads.add(threading.current_thread().name)
             time.sleep(0.002)
-            real.adamw_step(*args)
+            return real.adamw_step(*args)
 
     monkeypatch.setattr(adamw, "_KERNEL", [Slow()])
     got = _train_with_schedule(dtype, overlap="backward")

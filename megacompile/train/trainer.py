@@ -270,6 +270,8 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                              f"batch) or cutoff_len, then resume; {_last_checkpoint(out)}.") from None
     finally:
         bar.close()
+        if optimizer.armed:   # a step that failed mid-backward: undo its speculative updates
+            optimizer.discard()
     optimizer.synchronize()
     _check_weights(optimizer, names, state["step"], out)
     if writer is not None:

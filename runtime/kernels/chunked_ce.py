@@ -27,10 +27,11 @@ def torch_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Ten
     """Write each row's loss into `loss_rows` and overwrite `logits` with d(loss)/d(logits)."""
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0).unsqueeze(1)
-    lf = logits.float()
-    lse = torch.logsumexp(lf, dim=1, keepdim=True)
-    loss_rows.copy_(torch.where(valid, (lse - lf.gather(1, safe)).squeeze(1), 0.0))
-    grad = lf.sub_(lse).exp_()                         # softmax, in place of the fp32 copy
+    # torch's log_softmax, as cross_entropy computes it: each row's loss is bit for bit the value
+    # nll_loss reads (logsumexp - logit rounds differently on some CPUs' vector widths)
+    log_probs = torch.log_softmax(logits.float(), dim=1)
+    loss_rows.copy_(torch.where(valid, -log_probs.gather(1, safe).squeeze(1), 0.0))
+    grad = log_probs.exp_()                            # softmax, in place
     grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
     grad.mul_(torch.where(valid, scale, 0.0).unsqueeze(1))
     logits.copy_(grad)
@@ -101,9 +102,10 @@ def loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
                 _accumulate_fp32(grad_weight, logits.t(), h_chunk)
         del logits
 
-    loss = loss_rows.sum()
-    if reduction == "mean":
-        loss = loss / n_valid
+    # reduced by nll_loss over the row losses: its summation order and division are cross_entropy's
+    # (a plain .sum() / n_valid differs from it by an ulp where the vector width changes the order)
+    targets = torch.where(labels != ignore_index, 0, ignore_index)
+    loss = torch.nn.functional.nll_loss(-loss_rows.unsqueeze(1), targets, reduction=reduction, ignore_index=ignore_index)
     if grad_hidden is not None:
         grad_hidden = grad_hidden.reshape(hidden.shape)
     if grad_weight is not None:
