@@ -55,6 +55,23 @@ class TrainConfig:
     packing: bool = False
     train_on_prompt: bool = False
     mask_history: bool = False
+    default_system: str | None = None       # the system prompt of conversations without one (LLaMA-Factory)
+    enable_thinking: bool = True            # reasoning templates (qwen3): False renders an empty think block
+    tool_format: str | None = None          # tool-calling data: the tool format (None: the template's)
+    mix_strategy: str = "concat"            # several data sets: concat | interleave_under | interleave_over
+    interleave_probs: str | None = None     # comma-separated sampling probabilities for interleaving
+    disable_shuffling: bool = False         # read the examples in order instead of a seeded permutation
+    preprocessing_num_workers: int | None = None   # processes for tokenization (datasets.map)
+    tokenized_path: str | None = None       # save the tokenized examples there, or load them if they exist
+    overwrite_cache: bool = False           # tokenize again instead of reading the cache
+    streaming: bool = False                 # stream a large stage: pt corpus instead of loading it
+    # evaluation (no-grad loss through the compiled model; LLaMA-Factory / HF Trainer keys)
+    do_eval: bool = False
+    val_size: float = 0.0                   # a fraction in [0, 1) or a number of examples held out
+    eval_dataset: str | None = None         # comma-separated names, instead of val_size
+    eval_strategy: str = "no"               # no | steps | epoch
+    eval_steps: float | None = None         # every N steps (a fraction < 1: of the run's steps); None: logging_steps
+    per_device_eval_batch_size: int = 8
     # optimisation
     per_device_train_batch_size: int = 1
     gradient_accumulation_steps: int = 1
