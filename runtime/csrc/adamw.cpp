@@ -8,8 +8,9 @@
 //     v  = beta2 * v + (1 - beta2) * g * g
 //     p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //     low = round_to_nearest_even(p)                            bf16 or fp16 transfer copy
-// and returns how many of the new weights are not finite (NaN or inf; counted in the same pass,
-// so the trainer learns of a diverging update without reading the masters again).
+// and returns how many blocks of new weights hold a non-finite value (NaN or inf; 0: all finite;
+// found in the same pass, so the trainer learns of a diverging update without reading the masters
+// again: the exponent bits of each new weight, OR-ed).
 // These are torch.optim.AdamW's formulas in its operation order. Memory traffic is 30 bytes per
 // parameter for a bf16 copy (read p, g, m, v; write p, m, v, low) against 28 + 6 for torch's
 // fused AdamW followed by a separate copy pass.
@@ -34,6 +35,7 @@ inline uint16_t to_bf16(float f) {
 }
 
 constexpr int64_t kGrain = 1 << 15;
+constexpr int64_t kBlock = 1 << 11;   // 8 KiB of weights: still in L1 when they are checked
 
 // body(begin, end) over [0, n): on torch's intra-op pool (threads == 0), or on `threads` OpenMP
 // threads of the calling thread's own team (an update on a host thread next to the training
@@ -55,22 +57,29 @@ int64_t run(float* __restrict__ p, const float* __restrict__ g, float* __restric
          float one_minus_beta2, float eps, float step_size, float bc2_sqrt, float grad_scale, int64_t threads) {
   std::atomic<int64_t> nonfinite{0};
   parallel(n, threads, [&](int64_t begin, int64_t end) {
-    int64_t bad = 0;
-#pragma omp simd reduction(+ : bad)
-    for (int64_t i = begin; i < end; ++i) {
-      const float gi = g[i] * grad_scale;
-      const float mi = m[i] + one_minus_beta1 * (gi - m[i]);
-      const float vi = beta2 * v[i] + one_minus_beta2 * (gi * gi);
-      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-      const float pi = p[i] * decay - step_size * (mi / denom);   // (no FMA contraction: -ffp-contract=off)
-      m[i] = mi;
-      v[i] = vi;
-      p[i] = pi;
-      if constexpr (LOW == 1) static_cast<uint16_t*>(low)[i] = to_bf16(pi);
-      if constexpr (LOW == 2) static_cast<c10::Half*>(low)[i] = c10::Half(pi);
-      bad += (pi - pi != 0.0f);   // NaN and inf give NaN (no -ffast-math here: not folded to 0)
+    uint32_t bad = 0;
+    for (int64_t b = begin; b < end; b += kBlock) {
+      const int64_t e = std::min(end, b + kBlock);
+#pragma omp simd
+      for (int64_t i = b; i < e; ++i) {
+        const float gi = g[i] * grad_scale;
+        const float mi = m[i] + one_minus_beta1 * (gi - m[i]);
+        const float vi = beta2 * v[i] + one_minus_beta2 * (gi * gi);
+        const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+        const float pi = p[i] * decay - step_size * (mi / denom);   // (no FMA contraction: -ffp-contract=off)
+        m[i] = mi;
+        v[i] = vi;
+        p[i] = pi;
+        if constexpr (LOW == 1) static_cast<uint16_t*>(low)[i] = to_bf16(pi);
+        if constexpr (LOW == 2) static_cast<c10::Half*>(low)[i] = c10::Half(pi);
+      }
+      // the block just written, again, from L1: NaN and inf have every exponent bit set. (A
+      // reduction inside the update loop stops gcc vectorizing it: 2.5x slower.)
+      const uint32_t* bits = reinterpret_cast<const uint32_t*>(p);
+#pragma omp simd reduction(| : bad)
+      for (int64_t i = b; i < e; ++i) bad |= static_cast<uint32_t>((bits[i] & 0x7f800000u) == 0x7f800000u);
     }
-    nonfinite += bad;
+    if (bad) nonfinite += 1;
   });
   return nonfinite.load();
 }
@@ -118,6 +127,6 @@ int64_t adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_av
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // without the GIL: the overlapped step runs on a host thread while the training thread goes on
   module.def("adamw_step", &adamw_step, "AdamW over flat fp32 buffers, writing the low-precision copy; returns "
-             "the number of non-finite new weights",
+             "the number of blocks of new weights holding a NaN or inf (0: all finite)",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
