@@ -457,15 +457,18 @@ def collate(examples: list[Example], pad_id: int, multiple: int = 8, images=None
 
 
 class Order:
-    """The sample order: one seeded permutation per epoch, read micro-batch by micro-batch.
+    """The sample order: one seeded permutation per epoch (or the examples as they are, with
+    shuffle=False: LLaMA-Factory's disable_shuffling), read micro-batch by micro-batch.
     Its position (epoch, micro-batch) is part of a checkpoint, so a resumed run reads on."""
 
-    def __init__(self, n: int, batch: int, seed: int):
-        self.n, self.batch, self.seed = n, batch, seed
+    def __init__(self, n: int, batch: int, seed: int, shuffle: bool = True):
+        self.n, self.batch, self.seed, self.shuffle = n, batch, seed, shuffle
         self.epoch, self.index = 0, 0
         self._perm = self._permutation()
 
     def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.n))
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.n, generator=g).tolist()
 
@@ -482,12 +485,17 @@ class Order:
         return self._perm[k: k + self.batch]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "index": self.index, "n": self.n, "batch": self.batch, "seed": self.seed}
+        return {"epoch": self.epoch, "index": self.index, "n": self.n, "batch": self.batch, "seed": self.seed,
+                "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if (state["n"], state["batch"]) != (self.n, self.batch):
             raise DataError(f"the checkpoint was written for {state['n']} examples in batches of {state['batch']}, "
                             f"this run has {self.n} in batches of {self.batch}: resume with the same data and "
                             "per_device_train_batch_size.")
+        if state.get("shuffle", True) != self.shuffle:   # (checkpoints before disable_shuffling: shuffled)
+            raise DataError(f"the checkpoint read the examples {'shuffled' if state.get('shuffle', True) else 'in order'}"
+                            f", this run would read them {'shuffled' if self.shuffle else 'in order'}: resume with "
+                            f"disable_shuffling: {str(not state.get('shuffle', True)).lower()}.")
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]
         self._perm = self._permutation()

@@ -3,7 +3,8 @@
     changes(saved, config)  -> (refused, applied)   lines saying which key changed, from what to what
 
 Refused (the run would no longer continue the one it resumes): the sample order and batch
-(`per_device_train_batch_size`, `gradient_accumulation_steps`, `seed`), what is trained
+(`per_device_train_batch_size`, `gradient_accumulation_steps`, `seed`,
+`disable_shuffling`), what is trained
 (`stage`, `torch_dtype`, `num_layers`, `vision`) and, when the checkpoint has no data
 fingerprint, the data keys. The data keys (`dataset`, `dataset_dir`, `template`, `cutoff_len`,
 ...) and `model_name_or_path` are otherwise judged by content: a moved folder is fine when the
@@ -18,10 +19,11 @@ from typing import Any
 
 #: changing these breaks the equivalence with the run being resumed
 REFUSED = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed", "stage", "torch_dtype", "num_layers",
-           "vision")
+           "vision", "disable_shuffling")
 #: these decide the examples; compared by the examples' fingerprint when the checkpoint has one
 DATA = ("dataset", "dataset_dir", "template", "cutoff_len", "max_samples", "packing", "train_on_prompt", "mask_history",
-        "media_dir", "image_max_pixels", "image_min_pixels", "allow_outside_dataset_dir")
+        "media_dir", "image_max_pixels", "image_min_pixels", "allow_outside_dataset_dir", "default_system",
+        "enable_thinking", "tool_format", "mix_strategy", "interleave_probs", "streaming", "val_size")
 #: where the run lives or reads from: not a change of the training itself
 IGNORED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "model_name_or_path", "trust_remote_code")
 

@@ -28,12 +28,13 @@ from .. import vlm
 from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
-from . import checkpoint, resume
+from . import checkpoint, resume, schedule
 from .config import TrainConfig
 from .data import IGNORE, Order, build_examples, check_datasets, collate, fingerprint, show_example
 from .images import image_inputs
 from .model_source import ModelSource
 from .preflight import PreflightError, check_device, plan_check, preflight  # noqa: F401 (PreflightError: API)
+from .report import open_reporter
 from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log
 
 
@@ -57,22 +58,6 @@ def check_packing(model) -> None:
     if recurrent or layer_types:
         raise ConfigError(f"packing: true with {model.config.model_type}: its {', '.join(recurrent or layer_types)} "
                           "layers would carry state from one packed sample into the next. Set packing: false.")
-
-
-# schedule ---------------------------------------------------------------------------
-def lr_lambda(config: TrainConfig, total: int):
-    warmup = config.warmup_steps or math.ceil(config.warmup_ratio * total)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if config.lr_scheduler_type in ("constant", "constant_with_warmup"):
-            return 1.0
-        progress = (step - warmup) / max(1, total - warmup)
-        if config.lr_scheduler_type == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-        return max(0.0, 1.0 - progress)   # linear
-    return factor
 
 
 def make_optimizer(model, config: TrainConfig, device: torch.device) -> HostAdamW:
@@ -151,11 +136,12 @@ def _check_resume(loaded: checkpoint.Loaded, config: TrainConfig) -> list[str]:
 def _apply_hyper(optimizer, scheduler, config: TrainConfig, total: int) -> None:
     """After a resume: the config's learning rate and optimizer hyper-parameters, not the
     checkpoint's (torch restores both from the state dicts). Unchanged values give the same lr."""
-    factor = lr_lambda(config, total)(scheduler.last_epoch)
+    # (the scheduler was built from this run's config: its lambdas are this run's schedule, and
+    # load_state_dict brought back only the step count and the checkpoint's base lr)
     scheduler.base_lrs = [config.learning_rate for _ in optimizer.param_groups]
-    for group, decay in zip(optimizer.param_groups, (config.weight_decay, 0.0)):
+    for group, decay, factor in zip(optimizer.param_groups, (config.weight_decay, 0.0), scheduler.lr_lambdas):
         group.update(betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon, weight_decay=decay,
-                     initial_lr=config.learning_rate, lr=config.learning_rate * factor)
+                     initial_lr=config.learning_rate, lr=config.learning_rate * factor(scheduler.last_epoch))
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
@@ -174,9 +160,9 @@ def _check_weights(optimizer, names: dict[int, str], step: int, out: Path) -> No
 
 def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step: int | None, progress: bool) -> dict:
     out = run.out
-    for note in run.notes:
+    for note in [*config.notes, *run.notes]:   # (config.notes: LLaMA-Factory keys megatrain has no use for)
         say(f"[megatrain] {note}")
-    summary_writer = _tensorboard(config)
+    reporter = open_reporter(config)   # (a tracker's missing package is said before anything loads)
     loaded = _resume_point(run, config)
     applied = _check_resume(loaded, config) if loaded is not None else []
     sources = check_datasets(config)
@@ -206,7 +192,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                           "trained on, or start a new run in another output_dir.")
 
     batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
-    order = Order(len(examples), batch, config.seed)
+    order = Order(len(examples), batch, config.seed, shuffle=not config.disable_shuffling)
     steps_per_epoch = order.batches_per_epoch // accum
     if steps_per_epoch == 0:
         raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch} x "
@@ -230,7 +216,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     else:
         cmodel = torch.compile(model, backend="megatrain", options=compile_options)
     optimizer = make_optimizer(model, config, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, total))
+    scheduler = schedule.make_scheduler(optimizer, config, total)
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
     if loaded is not None:
         saved = checkpoint.apply(loaded, model, optimizer)   # (pinned by the host arenas)
@@ -249,13 +235,13 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
 
     for note in run.start(state["step"]):   # the old run's files go, or a resumed branch's later ones retire
         say(f"[megatrain] {note}")
-    writer = summary_writer(str(out / "runs")) if summary_writer is not None else None
+    reporter.start(out, config)
     names = {id(p): n for n, p in model.named_parameters()}
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
     try:
         ran, skipped = _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state,
-                             total, steps_per_epoch, data_fingerprint, writer, bar, out, stop_at_step)
+                             total, steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -274,8 +260,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
             optimizer.discard()
     optimizer.synchronize()
     _check_weights(optimizer, names, state["step"], out)
-    if writer is not None:
-        writer.close()
+    reporter.close()
     if ran and 2 * skipped > ran:
         raise TrainingError(f"{skipped} of this run's {ran} steps were skipped (non-finite loss or gradient norm): the "
                             "model trained little or nothing, so it is not exported. Lower learning_rate, check the "
@@ -289,7 +274,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
 
 
 def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state, total,
-          steps_per_epoch, data_fingerprint, writer, bar, out, stop_at_step) -> tuple[int, int]:
+          steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step) -> tuple[int, int]:
     """The training steps, from state["step"] to `total` (or `stop_at_step`); returns how many
     steps ran and how many of them were skipped."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -348,9 +333,7 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                     row["optimizer_overlap"] = dict(optimizer.counters)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
-                if writer is not None:
-                    for key in ("loss", "lr", "tokens_per_s", "grad_norm"):
-                        writer.add_scalar(f"train/{key}", row[key], state["step"])
+                reporter.log(row, state["step"], prefix="train")   # report_to's trackers (report.py)
                 window = []
             if streak >= config.max_consecutive_skipped_steps:
                 first = state["step"] - streak + 1
@@ -403,19 +386,6 @@ def _export(out: Path, model, saver, step: int) -> None:
             f"exporting the model to {out} failed ({reason}); {_last_checkpoint(out)}, complete: make room, then run "
             "again with resume_from_checkpoint: true to export it.") from None
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _tensorboard(config: TrainConfig):
-    """TensorBoard's SummaryWriter class for report_to: tensorboard (None otherwise); asked
-    before anything loads, so a missing package is said at once."""
-    if config.report_to != "tensorboard":
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard), "
-                          "or use report_to: jsonl.") from None
-    return SummaryWriter
 
 
 def _plot(out: Path) -> None:
