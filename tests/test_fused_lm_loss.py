@@ -68,7 +68,9 @@ def test_training_matches_eager_without_logits(model_type, dtype, extra):
         out.loss.backward()
         expect.loss.backward()
         exact = dtype == torch.bfloat16
-        torch.testing.assert_close(out.loss, expect.loss, rtol=0 if exact else 1e-5, atol=0 if exact else 1e-6)
+        # the loss is cross_entropy's bit for bit in both dtypes (row losses by log_softmax, reduced by
+        # nll_loss); fp32 gradients differ in the last bits: the chunked head matmuls sum in another order
+        torch.testing.assert_close(out.loss, expect.loss, rtol=0, atol=0)
         got, want = grads(model), grads(ref)
         assert got.keys() == want.keys()
         for name in want:
