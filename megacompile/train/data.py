@@ -22,17 +22,17 @@ documents and cut into `cutoff_len` blocks.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..errors import MegatrainError
+# the registry, the loading and the example store live in their own files; their names stay here
+from .examples import IGNORE, Example, Examples
+from .registry import ATTR_KEYS, DataError, DatasetAttr, load_registry  # noqa: F401
+from .sources import FILE_TYPES, data_path, hub_reachable  # noqa: F401
 
-IGNORE = -100
-FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
-ATTR_KEYS = {"file_name", "hf_hub_url", "formatting", "columns", "tags", "split", "num_samples", "subset"}
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
                   "history": "history", "images": "images"}
 SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "images": "images"}
@@ -48,171 +48,36 @@ LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['r
 TEMPLATES = {"chatml": CHATML, "qwen": CHATML, "llama3": LLAMA3}
 
 
-class DataError(MegatrainError, ValueError):
-    """A data set is missing, malformed or does not fit the chosen format."""
-
-
-@dataclass
-class DatasetAttr:
-    name: str
-    file_name: str | None = None
-    hf_hub_url: str | None = None
-    formatting: str = "alpaca"
-    columns: dict = field(default_factory=dict)
-    tags: dict = field(default_factory=dict)
-    split: str = "train"
-    num_samples: int | None = None
-    subset: str | None = None
-
-
-@dataclass
-class Example:
-    input_ids: list[int]
-    labels: list[int]
-    position_ids: list[int] | None = None   # packed examples: positions restart at each sample
-    images: list[str] | None = None         # image files of a VLM example (see images.py)
-
-    @property
-    def trained_tokens(self) -> int:
-        return sum(1 for t in self.labels[1:] if t != IGNORE)   # labels are shifted by the model
-
-
 # registry ---------------------------------------------------------------------------
-def load_registry(dataset_dir: str | Path) -> dict[str, DatasetAttr]:
-    path = Path(dataset_dir) / "dataset_info.json"
-    if not path.is_file():
-        raise DataError(f"{path} does not exist: dataset_dir must hold a dataset_info.json registry "
-                        "(see examples/data/dataset_info.json).")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(raw, dict):
-        raise DataError(f"{path} holds a JSON {type(raw).__name__}: it must be one object of data set entries, "
-                        '{"name": {"file_name": "data.json"}, ...}.')
-    registry = {}
-    for name, spec in raw.items():
-        if not isinstance(spec, dict):
-            raise DataError(f"{path}: entry {name!r} must be an object with file_name or hf_hub_url.")
-        unknown = set(spec) - ATTR_KEYS
-        if unknown:
-            raise DataError(f"{path}: entry {name!r} has unknown keys {sorted(unknown)}; valid: {sorted(ATTR_KEYS)}.")
-        if bool(spec.get("file_name")) == bool(spec.get("hf_hub_url")):
-            raise DataError(f"{path}: entry {name!r} needs exactly one of file_name or hf_hub_url.")
-        if spec.get("formatting", "alpaca") not in ("alpaca", "sharegpt"):
-            raise DataError(f"{path}: entry {name!r} has formatting={spec['formatting']!r}; use alpaca or sharegpt.")
-        for key, kind in _ATTR_TYPES.items():
-            value = spec.get(key)
-            if value is not None and not (isinstance(value, kind) and not isinstance(value, bool)):
-                raise DataError(f"{path}: entry {name!r} has {key}={value!r} ({type(value).__name__}); expected "
-                                f"{'an object' if kind is dict else kind.__name__}.")
-        for key in ("columns", "tags"):
-            bad = {k: v for k, v in (spec.get(key) or {}).items() if not isinstance(v, str)}
-            if bad:
-                raise DataError(f"{path}: entry {name!r}: {key} must map names to column/tag strings, not {bad!r}.")
-        if spec.get("num_samples") is not None and spec["num_samples"] < 1:
-            raise DataError(f"{path}: entry {name!r} has num_samples={spec['num_samples']}; it must be at least 1.")
-        registry[name] = DatasetAttr(name, **spec)
-    return registry
-
-
-_ATTR_TYPES = {"file_name": str, "hf_hub_url": str, "formatting": str, "columns": dict, "tags": dict, "split": str,
-               "num_samples": int, "subset": str}
-
-
-def _data_files(path: Path) -> tuple[str, list[str]]:
-    files = sorted(p for p in path.iterdir() if p.suffix in FILE_TYPES) if path.is_dir() else [path]
-    if not files:
-        raise DataError(f"{path} holds no {', '.join(FILE_TYPES)} files.")
-    kinds = {FILE_TYPES.get(p.suffix) for p in files}
-    if None in kinds:
-        raise DataError(f"{path}: unsupported file type; use one of {', '.join(FILE_TYPES)}.")
-    if len(kinds) > 1:
-        raise DataError(f"{path} mixes file types {sorted(kinds)}; keep one type per data set.")
-    return kinds.pop(), [str(p) for p in files]
-
-
-def data_path(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False) -> Path:
-    """The resolved file or folder of a registered data set. A `file_name` that leads out of
-    `dataset_dir` (`../x.json`, an absolute path, a link) is refused unless `allow_outside`: a
-    registry copied from elsewhere must not make the trainer read (and print) any file."""
-    base = Path(dataset_dir).resolve()
-    path = (base / attr.file_name).resolve()
-    if not allow_outside and not path.is_relative_to(base):
-        raise DataError(f"data set {attr.name!r}: file_name {attr.file_name!r} resolves to {path}, outside dataset_dir "
-                        f"{base}. Move the file into dataset_dir, or set allow_outside_dataset_dir: true to read it.")
-    if not path.exists():
-        raise DataError(f"data set {attr.name!r}: {path} does not exist (file_name {attr.file_name!r} in "
-                        f"{base / 'dataset_info.json'}).")
-    return path
-
-
 def check_datasets(config) -> dict[str, str]:
-    """Check the configured data sets before anything is loaded: registered, and their files
-    present inside dataset_dir. Returns {name: resolved path or Hub id} for the log."""
-    registry = load_registry(config.dataset_dir)
-    sources = {}
-    for name in config.datasets:
-        if name not in registry:
-            raise DataError(f"data set {name!r} is not in {config.dataset_dir}/dataset_info.json "
-                            f"(registered: {', '.join(sorted(registry)) or 'none'}).")
-        attr = registry[name]
-        sources[name] = (str(data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir)) if attr.file_name
-                         else f"hf://{attr.hf_hub_url}")
-    return sources
+    """Check the configured data sets before anything is loaded: registered, usable by sft/pt,
+    their files present inside dataset_dir (or their hub reachable), the mixing options. Returns
+    {name: resolved path or hub id} for the log."""
+    from .sources import MIX_STRATEGIES, check_source, parse_probs
+    from .tokenize_cache import _has_data
+    if config.streaming:
+        raise DataError("streaming: true is not supported: a checkpoint's data position is an index into examples "
+                        "tokenized in full, which a stream cannot resume exactly. Set streaming: false: the tokens "
+                        "are cached on disk and held as int32 arrays (4 bytes per token for stage pt).")
+    if config.tokenized_path and _has_data(Path(config.tokenized_path)):
+        return {name: f"tokenized_path {config.tokenized_path}" for name in config.datasets}
+    if config.mix_strategy != "concat" and config.mix_strategy not in MIX_STRATEGIES:
+        raise DataError(f"mix_strategy={config.mix_strategy!r}: use concat, {', '.join(MIX_STRATEGIES)}.")
+    parse_probs(config.interleave_probs, len(config.datasets), config.mix_strategy)
+    registry = load_registry(config.dataset_dir, config.datasets)
+    return {name: check_source(registry[name], config.dataset_dir, config.allow_outside_dataset_dir)
+            for name in config.datasets}
 
 
 def load_records(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False) -> list[dict]:
-    """The raw records of a registered data set, as a list of dicts."""
-    import datasets
-    datasets.disable_progress_bars()
-    if attr.file_name:
-        path = data_path(attr, dataset_dir, allow_outside)
-        kind, files = _data_files(path)
-        if all(Path(f).stat().st_size == 0 for f in files):
-            raise DataError(f"data set {attr.name!r}: {path} is empty. Put records in it ({kind}) or remove "
-                            f"{attr.name!r} from dataset.")
-        try:
-            ds = datasets.load_dataset(kind, data_files=files, split="train")
-        except Exception as e:  # datasets wraps parser errors in several exception types
-            cause = e.__cause__ or e
-            if isinstance(cause, StopIteration) or "corresponds to no data" in str(cause):
-                raise DataError(f"data set {attr.name!r}: {path} holds no records. Put records in it or remove "
-                                f"{attr.name!r} from dataset.") from None
-            raise DataError(f"data set {attr.name!r}: could not read {path} as {kind} "
-                            f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}). "
-                            "Check that the file is complete and in that format.") from None
-    else:
-        if not _hub_reachable():
-            raise DataError(f"data set {attr.name!r}: {attr.hf_hub_url!r} is on the Hugging Face Hub, which this "
-                            "machine cannot reach (offline). Download it elsewhere and register it with file_name "
-                            "instead, or set HF_HUB_OFFLINE=1 to read it from the local datasets cache.")
-        try:
-            ds = datasets.load_dataset(attr.hf_hub_url, attr.subset, split=attr.split)
-        except Exception as e:
-            raise DataError(f"data set {attr.name!r}: could not load {attr.hf_hub_url!r} from the Hugging Face Hub "
-                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, download "
-                            "it elsewhere and register it with file_name instead.") from None
-    records = ds.to_list()
-    if not records:
-        raise DataError(f"data set {attr.name!r} holds no records.")
-    if attr.num_samples is not None:
-        records = records[: attr.num_samples]
-    return records
+    """The raw records of a registered data set as a list of dicts (num_samples drawn with seed 42,
+    LLaMA-Factory's default; build_examples draws with the config's seed)."""
+    from .sources import load_source, select_records
+    return select_records(load_source(attr, dataset_dir, allow_outside), attr, None,
+                          np.random.RandomState(42)).to_list()
 
 
-def _hub_reachable() -> bool:
-    """False when the Hub's name does not resolve (offline): datasets would retry for ~25 s first."""
-    import os
-    import socket
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        return True   # datasets reads its cache
-    host = os.environ.get("HF_ENDPOINT", "https://huggingface.co").split("//")[-1].split("/")[0]
-    try:
-        socket.getaddrinfo(host, 443)
-        return True
-    except OSError:
-        return False
+_hub_reachable = hub_reachable   # (model_source.py's name for it)
 
 
 # formatting -------------------------------------------------------------------------
@@ -304,68 +169,70 @@ def encode_chat(tokenizer, template: str, messages: list[dict], cutoff_len: int,
     return Example(ids[:cutoff_len], labels[:cutoff_len])
 
 
-def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> list[Example]:
+def pretrain_tokens(tokenizer, text) -> list[int]:
+    """One pre-training document's tokens, EOS-terminated (documents are then concatenated and cut
+    into cutoff_len blocks: tokenize_cache.to_examples)."""
     eos = tokenizer.eos_token_id
-    stream: list[int] = []
-    for text in texts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+    return tokenizer(_text(text), add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+
+
+def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> list[Example]:
+    stream = [t for text in texts for t in pretrain_tokens(tokenizer, text)]
     blocks = [stream[k: k + cutoff_len] for k in range(0, len(stream) - cutoff_len + 1, cutoff_len)]
     return [Example(b, list(b)) for b in blocks]
 
 
-def build_examples(config, tokenizer, images=None) -> tuple[list[Example], dict[str, int]]:
-    """Every example of the configured data sets, and counts (samples, dropped) for the log.
-    `images` (images.ImageInputs) handles the records' images for a vision-language model."""
+def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, images=None) \
+        -> tuple[Example | None, str | None]:
+    """One sft record's example, or None and the reason it gives none (the key of its count in
+    build_examples' counts: dropped = cutoff_len left no reply, dropped_images = it cut into an
+    image). Called once per record, in datasets.map's worker processes (tokenize_cache.py)."""
+    name = attr.name
+    image_column = {**(ALPACA_COLUMNS if attr.formatting == "alpaca" else SHAREGPT_COLUMNS),
+                    **attr.columns}["images"]
+    messages = (alpaca_messages(record, attr.columns, name) if attr.formatting == "alpaca"
+                else sharegpt_messages(record, attr.columns, attr.tags, name))
+    check_conversation(messages, name)
+    paths = record.get(image_column) or None
+    if paths and images is None:
+        raise DataError(f"data set {name!r} has images (column {image_column!r}) but "
+                        f"{config.model_name_or_path} is a text-only model: train a vision-language model "
+                        "or drop the column.")
+    if paths:
+        messages, image_tokens = images.expand(messages, list(paths), name)
+    ex = encode_chat(tokenizer, template, messages, config.cutoff_len, config.train_on_prompt,
+                     config.mask_history)
+    if paths:
+        ex.images = list(paths)
+        ex.labels = [IGNORE if t == images.image_token_id else y for t, y in zip(ex.input_ids, ex.labels)]
+        if images.count(ex.input_ids) != image_tokens:   # cutoff_len cut into an image
+            return None, "dropped_images"
+    if ex.trained_tokens == 0:   # the reply was cut off entirely by cutoff_len
+        return None, "dropped"
+    return ex, None
+
+
+def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples, dict[str, int]]:
+    """Every example of the configured data sets (a compact `Examples` store), and counts
+    (samples, dropped, records per data set) for the log. The data sets are loaded, sampled and
+    mixed as LLaMA-Factory does (sources.py) and tokenized through datasets.map with a cache on
+    disk (tokenize_cache.py). `images` (images.ImageInputs) handles a VLM's images."""
+    from .tokenize_cache import to_examples, tokenized
     check_datasets(config)
-    registry = load_registry(config.dataset_dir)
-    examples: list[Example] = []
-    counts = {"samples": 0, "dropped": 0, "records": {}}
     template = chat_template(tokenizer, config.template) if config.stage == "sft" else None
-    for name in config.datasets:
-        attr = registry[name]
-        records = load_records(attr, config.dataset_dir, config.allow_outside_dataset_dir)
-        if config.max_samples is not None:
-            records = records[: config.max_samples]
-        counts["samples"] += len(records)
-        counts["records"][name] = len(records)
-        if config.stage == "pt":
-            column = {**PT_COLUMNS, **attr.columns}["prompt"]
-            if records and column not in records[0]:
-                raise DataError(f"data set {name!r} (pt): records have no {column!r} column; set columns.prompt.")
-            examples += encode_pretrain(tokenizer, [_text(r[column]) for r in records], config.cutoff_len)
-            continue
-        image_column = {**(ALPACA_COLUMNS if attr.formatting == "alpaca" else SHAREGPT_COLUMNS),
-                        **attr.columns}["images"]
-        for record in records:
-            messages = (alpaca_messages(record, attr.columns, name) if attr.formatting == "alpaca"
-                        else sharegpt_messages(record, attr.columns, attr.tags, name))
-            check_conversation(messages, name)
-            paths = record.get(image_column) or None
-            if paths and images is None:
-                raise DataError(f"data set {name!r} has images (column {image_column!r}) but "
-                                f"{config.model_name_or_path} is a text-only model: train a vision-language model "
-                                "or drop the column.")
-            if paths:
-                messages, image_tokens = images.expand(messages, list(paths), name)
-            ex = encode_chat(tokenizer, template, messages, config.cutoff_len, config.train_on_prompt,
-                             config.mask_history)
-            if paths:
-                ex.images = list(paths)
-                ex.labels = [IGNORE if t == images.image_token_id else y for t, y in zip(ex.input_ids, ex.labels)]
-                if images.count(ex.input_ids) != image_tokens:   # cutoff_len cut into an image
-                    counts["dropped_images"] = counts.get("dropped_images", 0) + 1
-                    continue
-            if ex.trained_tokens == 0:   # the reply was cut off entirely by cutoff_len
-                counts["dropped"] += 1
-            else:
-                examples.append(ex)
+    table, records = tokenized(config, tokenizer, template, images, say)
+    examples, dropped = to_examples(table, config.stage, config.cutoff_len)
+    counts = {"samples": len(table), "dropped": 0, "records": {n: records.get(n, "?") for n in config.datasets},
+              **dropped}
     if not examples:
         raise DataError(f"no training examples: {counts['samples']} samples, {counts['dropped']} dropped because "
                         f"cutoff_len={config.cutoff_len} left no reply tokens"
                         + (f", {counts['dropped_images']} because it cut into an image" if "dropped_images" in counts
-                           else "") + ".")
+                           else "")
+                        + (f" (stage pt: fewer than cutoff_len={config.cutoff_len} tokens of text)"
+                           if config.stage == "pt" else "") + ".")
     if config.packing and config.stage == "sft":   # (pt text is already concatenated into blocks)
-        if any(ex.images for ex in examples):
+        if examples.images:
             raise DataError("packing: true with image data: packed samples would share image positions. "
                             "Set packing: false.")
         counts["packed_from"] = len(examples)
@@ -383,7 +250,7 @@ def fingerprint(examples: list[Example]) -> str:
     return h.hexdigest()[:32]
 
 
-def pack(examples: list[Example], cutoff_len: int, seed: int) -> list[Example]:
+def pack(examples: list[Example], cutoff_len: int, seed: int) -> Examples:
     """Greedy first-fit packing of shuffled examples into sequences of at most `cutoff_len`.
 
     Samples do not see each other: positions restart at every sample, which makes transformers
@@ -409,7 +276,7 @@ def pack(examples: list[Example], cutoff_len: int, seed: int) -> list[Example]:
             labels += [IGNORE] + ex.labels[1:]
             positions += list(range(len(ex.input_ids)))
         packed.append(Example(ids, labels, positions))
-    return packed
+    return Examples.from_list(packed)
 
 
 def show_example(tokenizer, ex: Example) -> str:

@@ -1,0 +1,297 @@
+"""Tokenization through `datasets.map`, cached on disk, read back as compact `Examples`.
+
+    table, counts = tokenized(config, tokenizer, template, images)
+
+Each selected data set is loaded (sources.py), sampled (`num_samples`, `max_samples`),
+tokenized by `datasets.map` over `preprocessing_num_workers` processes (the per-record function
+is `encode_batch`, module-level so the workers can unpickle it), and the sets are mixed
+(`mix_strategy`). The result, an Arrow table of int32 token and label lists and a `drop` reason
+per record, is saved under `<cache>/tokenized/<key>`, where the key digests everything that
+decides the examples: the data files' contents (a hub set's datasets fingerprint), the registry
+entries, the tokenizer (its vocabulary, merges, special tokens and chat template), the template,
+the data options of the config (every key but the training-only ones listed below) and the
+source of the encoding code. A later run with the same key reads the table instead of
+tokenizing; `overwrite_cache: true` rebuilds it. `<cache>` is $MEGATRAIN_CACHE, else
+$XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain.
+
+`tokenized_path` works as in LLaMA-Factory: when it holds a tokenized set (ours, or one saved by
+LLaMA-Factory: a DatasetDict whose "train" split has input_ids and labels), it is loaded and the
+other data options are ignored (said in the log); otherwise the examples are built and saved
+there. Image data (a VLM) is tokenized in this process and not cached: its token counts depend on
+image files the key does not digest.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections import Counter
+from pathlib import Path
+
+from .registry import DataError, DatasetAttr
+
+FORMAT = "megatrain-tokenized-v1"
+META = "megatrain_tokenized.json"
+# config keys that do not change the examples (everything else is part of the cache key, so a key
+# added later is safe by default)
+TRAINING_ONLY = {
+    "model_name_or_path", "trust_remote_code", "torch_dtype", "num_layers", "vision", "packing", "disable_shuffling",
+    "preprocessing_num_workers", "tokenized_path", "overwrite_cache", "do_eval", "val_size", "eval_dataset",
+    "eval_strategy", "eval_steps", "per_device_eval_batch_size", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+    "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "warmup_steps",
+    "max_consecutive_skipped_steps", "overlap_optimizer", "output_dir", "logging_steps", "save_steps",
+    "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain",
+}
+# the code that turns records into tokens: a change to it must not read stale examples
+_CODE = ("data.py", "templates.py", "encode.py", "registry.py", "sources.py", "tokenize_cache.py")
+
+
+def features():
+    import datasets
+    ints = datasets.List(datasets.Value("int32"))
+    return datasets.Features({"input_ids": ints, "labels": ints, "images": datasets.List(datasets.Value("string")),
+                              "drop": datasets.Value("string")})
+
+
+def cache_root() -> Path:
+    if os.environ.get("MEGATRAIN_CACHE"):
+        return Path(os.environ["MEGATRAIN_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain"
+
+
+# the per-record function ------------------------------------------------------------
+def encode_batch(batch: dict[str, list], attr: DatasetAttr, config, tokenizer, template, images=None) -> dict:
+    """Token and label lists of a batch of records (datasets.map, batched). A record that gives
+    no example keeps an empty row with its reason in `drop`, so mixing chooses the same records
+    as LLaMA-Factory (it mixes before tokenizing) and the reasons can be counted."""
+    from .data import PT_COLUMNS, encode_record, pretrain_tokens
+    names = list(batch)
+    records = [dict(zip(names, values)) for values in zip(*batch.values())]
+    out = {"input_ids": [], "labels": [], "images": [], "drop": []}
+    if config.stage == "pt":
+        column = {**PT_COLUMNS, **attr.columns}["prompt"]
+        if column not in batch:
+            raise DataError(f"data set {attr.name!r} (pt): records have no {column!r} column (has {names}); set "
+                            "columns.prompt.")
+        for record in records:
+            ids = pretrain_tokens(tokenizer, record[column])
+            out["input_ids"].append(ids), out["labels"].append(ids), out["images"].append([]), out["drop"].append("")
+        return out
+    for record in records:
+        ex, reason = encode_record(record, attr, config, tokenizer, template, images)
+        out["input_ids"].append(ex.input_ids if ex else [])
+        out["labels"].append(ex.labels if ex else [])
+        out["images"].append(list(ex.images or []) if ex else [])
+        out["drop"].append(reason or "")
+    return out
+
+
+# the cache key ----------------------------------------------------------------------
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """The tokenizer's vocabulary, merges, normalisation, special tokens and chat template."""
+    h = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    h.update(backend.to_str().encode() if backend is not None
+             else json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps([type(tokenizer).__name__, tokenizer.all_special_tokens, tokenizer.bos_token_id,
+                         tokenizer.eos_token_id, getattr(tokenizer, "chat_template", None),
+                         getattr(tokenizer, "add_bos_token", None)], default=str).encode())
+    return h.hexdigest()
+
+
+def cache_key(config, tokenizer, template, sources: dict[str, str]) -> str:
+    """The digest of everything that decides the examples (see the module docstring).
+    `sources` maps each data set to its files' or hub set's digest."""
+    from dataclasses import asdict
+
+    from .registry import load_registry
+    registry = load_registry(config.dataset_dir, config.datasets)
+    here = Path(__file__).parent
+    code = {name: _file_digest(here / name) for name in _CODE if (here / name).exists()}
+    options = {k: v for k, v in config.to_dict().items() if k not in TRAINING_ONLY and k not in config.megatrain}
+    if config.mix_strategy == "concat" and all(registry[n].num_samples is None for n in config.datasets):
+        options.pop("seed", None)   # the seed chooses no records then
+    blob = json.dumps({"format": FORMAT, "code": code, "options": options, "template": template,
+                       "tokenizer": tokenizer_digest(tokenizer),
+                       "sets": {n: [asdict(registry[n]), registry[n].load_from, sources[n]] for n in config.datasets}},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def source_digest(attr: DatasetAttr, config, raw=None) -> str:
+    """A data set's contents: each file's SHA-256 (and name), or a hub set's datasets fingerprint."""
+    from .sources import data_files, data_path
+    if attr.load_from == "file":
+        path = data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir)
+        _, files = data_files(path)
+        return hashlib.sha256(json.dumps([[Path(f).name, _file_digest(Path(f))] for f in files]).encode()).hexdigest()
+    return str(getattr(raw, "_fingerprint", None))
+
+
+# build / load -----------------------------------------------------------------------
+def _has_data(path: Path) -> bool:
+    return path.is_dir() and any(path.iterdir())   # LLaMA-Factory's has_tokenized_data
+
+
+def tokenized(config, tokenizer, template, images=None, say=print):
+    """The mixed, tokenized table of the configured data sets and {data set: records}, from the
+    cache or tokenized_path when they hold it, else built (and saved there)."""
+    import datasets
+    datasets.disable_progress_bars()
+    if config.tokenized_path and _has_data(Path(config.tokenized_path)):
+        return _load_tokenized_path(Path(config.tokenized_path), say)
+    raws = {}
+    digests = {}
+    for name in config.datasets:
+        attr = _attr(config, name)
+        raws[name] = None if attr.load_from == "file" else _load(attr, config)
+        digests[name] = source_digest(attr, config, raws[name])
+    key = cache_key(config, tokenizer, template, digests)
+    cache = images is None   # image data: see the module docstring
+    entry = cache_root() / "tokenized" / key
+    if cache and not config.overwrite_cache and (entry / META).is_file():
+        table, records = _load_entry(entry)
+    else:
+        tmp = entry.parent / f".tmp-{key}-{os.getpid()}"
+        try:
+            table, records = _build(config, tokenizer, template, images, raws, tmp, key)
+            if cache:
+                _publish(tmp, entry)
+                table, records = _load_entry(entry)   # memory-mapped, the in-process copy freed
+        except OSError as e:
+            raise DataError(f"could not write the tokenized data under {entry.parent} ({e.strerror or e}): free "
+                            "space there or set MEGATRAIN_CACHE to a folder with room.") from None
+        finally:
+            if not cache or tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    if config.tokenized_path:
+        target = Path(config.tokenized_path)
+        if target.exists():
+            target.rmdir()   # empty (else it was loaded above)
+        shutil.copytree(entry, target) if cache else _save(table, records, key, target)
+        say(f"[megatrain] tokenized data saved to {target}: runs with tokenized_path: {target} read it back.")
+    return table, records
+
+
+def _attr(config, name) -> DatasetAttr:
+    from .registry import load_registry
+    return load_registry(config.dataset_dir, [name])[name]
+
+
+def _load(attr: DatasetAttr, config):
+    from .sources import load_source
+    return load_source(attr, config.dataset_dir, config.allow_outside_dataset_dir, config.preprocessing_num_workers)
+
+
+def _build(config, tokenizer, template, images, raws, tmp: Path, key: str):
+    import datasets
+    import numpy as np
+
+    from .sources import mix, parse_probs, select_records
+    tmp.mkdir(parents=True, exist_ok=True)
+    rng = np.random.RandomState(config.seed)   # LLaMA-Factory: transformers.set_seed, then the loads in order
+    parts, records = [], {}
+    workers = config.preprocessing_num_workers if images is None else None   # see the module docstring
+    for k, name in enumerate(config.datasets):
+        attr = _attr(config, name)
+        raw = raws.get(name) or _load(attr, config)
+        raw = select_records(raw, attr, config.max_samples, rng)
+        records[name] = len(raw)
+        part = raw.map(encode_batch, batched=True, remove_columns=raw.column_names, features=features(),
+                       fn_kwargs=dict(attr=attr, config=config, tokenizer=tokenizer, template=template, images=images),
+                       num_proc=workers if workers and workers > 1 and len(raw) > 1 else None,
+                       new_fingerprint=f"{key}-{k}", cache_file_name=str(tmp / f"part-{k}.arrow"),
+                       load_from_cache_file=False)
+        parts.append(part)
+    probs = parse_probs(config.interleave_probs, len(parts), config.mix_strategy)
+    table = mix(parts, config.mix_strategy, probs, config.seed)
+    _save(table, records, key, tmp)
+    return datasets.load_from_disk(str(tmp / "data")), records
+
+
+def _save(table, records: dict, key: str, folder: Path) -> None:
+    """`folder`/data (the Arrow table) and `folder`/megatrain_tokenized.json (what it was made from)."""
+    table.save_to_disk(str(folder / "data"))
+    (folder / META).write_text(json.dumps({"format": FORMAT, "key": key, "records": records}))
+
+
+def _publish(tmp: Path, entry: Path) -> None:
+    """Moves a built entry into place in one rename (a concurrent run may have made it first)."""
+    for part in tmp.glob("part-*.arrow"):
+        part.unlink()
+    try:
+        os.rename(tmp, entry)
+    except OSError:
+        if not (entry / META).is_file():
+            raise
+
+
+def _load_entry(entry: Path):
+    import datasets
+    meta = json.loads((entry / META).read_text())
+    return datasets.load_from_disk(str(entry / "data")), meta["records"]
+
+
+def _load_tokenized_path(path: Path, say):
+    """A tokenized set saved by megatrain or by LLaMA-Factory, read as LLaMA-Factory does: as is."""
+    import datasets
+    if (path / META).is_file():
+        table, records = _load_entry(path)
+    else:
+        try:
+            loaded = datasets.load_from_disk(str(path))
+        except Exception as e:
+            raise DataError(f"tokenized_path {path} holds files but no tokenized data set ({type(e).__name__}): "
+                            "point it at an empty or new folder to save one there.") from None
+        table = loaded["train"] if isinstance(loaded, datasets.DatasetDict) and "train" in loaded else loaded
+        if isinstance(table, datasets.DatasetDict) or not {"input_ids", "labels"} <= set(table.column_names):
+            raise DataError(f"tokenized_path {path} is not a tokenized training set (it needs a train split with "
+                            "input_ids and labels columns).")
+        records = {}
+    say(f"[megatrain] reading tokenized data from tokenized_path {path}: the other data options (dataset, template, "
+        "cutoff_len, ...) are ignored, as in LLaMA-Factory. Empty the folder to tokenize again.")
+    return table, records
+
+
+def to_examples(table, stage: str, cutoff_len: int):
+    """The Examples of a tokenized table and the counts of dropped records by reason. `stage: pt`
+    documents are concatenated (in the mixed order) and cut into cutoff_len blocks."""
+    import numpy as np
+    import pyarrow as pa
+
+    from .examples import Examples
+
+    def flat(column: str):
+        col = table.data.column(column)
+        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if isinstance(arr, pa.ChunkedArray):   # no chunks at all
+            arr = pa.array([], type=col.type)
+        values = arr.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
+        return values, arr.offsets.to_numpy().astype(np.int64)
+    table = table.flatten_indices() if table._indices is not None else table
+    ids, offsets = flat("input_ids")
+    drops = table.data.column("drop").to_pylist() if "drop" in table.column_names else [""] * len(table)
+    dropped = Counter(d for d in drops if d)
+    if stage == "pt":
+        n = len(ids) // cutoff_len
+        starts = np.arange(n, dtype=np.int64) * cutoff_len
+        stream = np.ascontiguousarray(ids[: n * cutoff_len])   # a copy: the remainder is not kept
+        return Examples(stream, stream, starts, starts + cutoff_len), dropped
+    labels, _ = flat("labels")
+    keep = np.array([not d for d in drops], dtype=bool)
+    idx = np.flatnonzero(keep)
+    images = None
+    if "images" in table.column_names:
+        paths = table.data.column("images").to_pylist()
+        images = [paths[k] or None for k in idx] if any(paths) else None
+    return Examples(ids, labels, offsets[:-1][idx], offsets[1:][idx], None, images), dropped
