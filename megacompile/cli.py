@@ -155,6 +155,9 @@ def _plan(args) -> int:
 def _train(args) -> int:
     from .train.config import load_config
     from .train.trainer import train
+    if "--help" in args.overrides or "-h" in args.overrides:   # `megatrain train cfg.yaml --help`
+        args.parser.print_help()
+        return EXIT_OK
     # overrides and --no-progress may come in any order after the config file
     no_progress = args.no_progress or "--no-progress" in args.overrides
     overrides = [o for o in args.overrides if o != "--no-progress"]
@@ -163,8 +166,10 @@ def _train(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     p = ArgumentParser(prog="megatrain", description="Train LLMs larger than accelerator memory.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="{inspect,plan,train}")
+    p.add_argument("--version", action="version", version=f"megatrain {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="{inspect,plan,train}")
     i = sub.add_parser("inspect", help="dump graphs, pass records, the schedule and the memory plan of a model",
                        description="Build MODEL on the meta device (no weights allocated), run the real capture "
                                    "and passes, and print what megatrain would do.")
@@ -217,14 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     # "--host-ram -5G" is a (bad) value, not an option: byte_size then says what is wrong with it
     pl._negative_number_matcher = re.compile(r"^-\d*\.?\d+[A-Za-z]*$")
 
+    from .train.keys_help import keys_help
     t = sub.add_parser("train", help="train a model from a YAML config (LLaMA-Factory key names)",
                        description="Fine-tune (stage: sft) or pre-train (stage: pt) a model: data from a "
-                                   "dataset_info.json registry, checkpoints in output_dir, an HF model at the end.")
+                                   "dataset_info.json registry, checkpoints in output_dir, an HF model at the end.",
+                       epilog=keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", help="YAML config file (see examples/)")
     t.add_argument("overrides", nargs=argparse.REMAINDER,
                    help="key=value overrides, e.g. learning_rate=1e-4 max_steps=20").required = False
     t.add_argument("--no-progress", action="store_true", help="no progress bar (logs still go to output_dir)")
-    t.set_defaults(func=_train)
+    t.set_defaults(func=_train, parser=t)
     p.subparser = lambda name: sub.choices.get(name, p)
     return p
 
@@ -265,6 +272,9 @@ def main(argv=None) -> int:
             args, extras = parser.parse_known_args(argv)
         except SystemExit as e:   # --help (prints, exits 0)
             return e.code if isinstance(e.code, int) else EXIT_OK
+        if args.command is None:   # `megatrain` alone: the help, as pip and docker do (not an error)
+            parser.print_help()
+            return EXIT_OK
         if extras:
             parser.subparser(args.command).unknown(extras)
         return args.func(args)

@@ -33,7 +33,10 @@ def trackers(report_to: str | list[str]) -> list[str]:
 
 def _importable(name: str) -> bool:
     import importlib.util
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):   # (a module blocked in sys.modules, or half-installed)
+        return False
 
 
 def _writers(names: list[str]) -> dict[str, object]:
