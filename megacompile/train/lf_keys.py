@@ -27,7 +27,7 @@ _KERNELS = "the megatrain backend chooses the attention and fused kernels itself
 _LOADER = "batches are collated in the training process (nothing to parallelise: the step waits on the weights)"
 _CHECKPOINT = ("a checkpoint always holds the fp32 weights, optimizer, scheduler, data position and RNG state "
                "(resume continues bit for bit), in safetensors/JSON")
-_LOGGING = ("the progress bar and output_dir/trainer_log.jsonl (loss, lr, grad_norm, tokens_per_s, trained_tokens) "
+_LOGGING = ("the progress bar and output_dir/train_log.jsonl (loss, lr, grad_norm, tokens_per_s, trained_tokens) "
             "every logging_steps; report_to adds TensorBoard or wandb")
 _INFERENCE = "it configures generation or inference, and megatrain train does not generate"
 _EXPORT = "output_dir already holds the trained model as a Hugging Face folder (no export step)"
@@ -40,7 +40,7 @@ NOTED: dict[str, str] = {
                      "ddp_broadcast_buffers", "ddp_static_graph", "fsdp", "fsdp_config", "local_rank",
                      "log_on_each_node", "save_on_each_node", "accelerator_config", "parallelism_config",
                      "average_tokens_across_devices", "log_level_replica", "ray_num_workers", "ray_init_kwargs",
-                     "master_addr", "master_port", "data_shared_file_system", "hyper_parallel_args", "use_cpu",
+                     "master_addr", "master_port", "data_shared_file_system", "hyper_parallel_args",
                      "torch_empty_cache_steps", "low_cpu_mem_usage", "offload_folder", "quantization_device_map"),
                     _ONE_DEVICE),
     **dict.fromkeys(("gradient_checkpointing", "gradient_checkpointing_kwargs", "activation_checkpointing",
@@ -125,7 +125,8 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "rope_scaling": ((None,), "RoPE scaling: put it in the model's config.json instead"),
     "shift_attn": ((False,), "LongLoRA's shifted sparse attention is " + _NOT_YET),
     "mixture_of_depths": ((None,), "mixture-of-depths is " + _NOT_YET),
-    "moe_aux_loss_coef": ((None,), "megatrain trains on the LM loss only (no router auxiliary loss) for now"),
+    "moe_aux_loss_coef": ((None,), "set output_router_logits: true and router_aux_loss_coef in the model's "
+                                   "config.json (README: MoE router auxiliary loss)"),
     "upcast_layernorm": ((False,), "norms run in torch_dtype with fp32 master weights; upcasting is " + _NOT_YET),
     "upcast_lmhead_output": ((False,), "the fused LM-head loss already reduces in fp32"),
     "train_from_scratch": ((False,), "megatrain fine-tunes or continues pre-training from the given weights"),
@@ -192,6 +193,7 @@ MAPPED = {
                     "no attention across samples)",
     "finetuning_type": "full is what megatrain does; lora, freeze and oft are refused (not supported yet)",
     "freeze_vision_tower": "true -> vision: frozen; false -> vision: train",
+    "use_cpu": "true -> device: cpu",
 }
 
 
@@ -229,6 +231,11 @@ def _map(key: str, value: Any, mapping: dict[str, Any], out: Translated) -> None
                 set_key("packing", True)
         elif value not in (False, None):
             out.refused.append(f"neat_packing: {value!r}: expected true or false")
+    elif key == "use_cpu":
+        if value is True:
+            set_key("device", "cpu")
+        elif value is not False:
+            out.refused.append(f"use_cpu: {value!r}: expected true or false")
     elif key == "freeze_vision_tower":
         if value in (True, False):
             set_key("vision", "frozen" if value else "train")

@@ -7,7 +7,7 @@
 
 `log` takes any dict: numbers (not bools) are sent, everything else (nested dicts, strings) is
 skipped, so the loop can hand over the row it writes to the JSONL log. The JSONL log itself
-(output_dir/trainer_log.jsonl) is written by the loop whatever report_to says: resume and the
+(output_dir/train_log.jsonl) is written by the loop whatever report_to says: resume and the
 loss plot read it.
 """
 from __future__ import annotations
