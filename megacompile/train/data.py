@@ -12,12 +12,13 @@
 
 `file_name` is a file or a folder of json / jsonl / csv / parquet / arrow files (read with
 `datasets`). Alpaca records (instruction, input, output, optional system and history) and
-ShareGPT conversations (user/assistant turns, optional system) become chat messages, rendered
-with the tokenizer's chat template (or a built-in one). Labels are -100 on everything but the
-assistant replies (all of them, or the last with `mask_history`; everything with
-`train_on_prompt`), found by rendering each conversation prefix, so any template that renders
-prefixes as prefixes works. Pre-training text (`stage: pt`) is concatenated with EOS between
-documents and cut into `cutoff_len` blocks.
+ShareGPT conversations (user/assistant turns, function_call/observation turns with a tools
+column, optional system) become chat messages, encoded turn by turn as LLaMA-Factory does
+(encode.py) with one of its templates (templates.py) or the tokenizer's own chat template
+(jinja_template.py). Labels are -100 on everything but the assistant replies (all of them, or
+the last with `mask_history`; everything with `train_on_prompt`); a conversation whose turns do
+not alternate or that ends on a prompt is skipped and counted. Pre-training text (`stage: pt`) is
+concatenated with EOS between documents and cut into `cutoff_len` blocks.
 """
 from __future__ import annotations
 
@@ -34,18 +35,15 @@ from .registry import ATTR_KEYS, DataError, DatasetAttr, load_registry  # noqa: 
 from .sources import FILE_TYPES, data_path, hub_reachable  # noqa: F401
 
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-                  "history": "history", "images": "images"}
-SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "images": "images"}
+                  "history": "history", "images": "images", "tools": "tools"}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "images": "images", "tools": "tools"}
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
-                 "system_tag": "system"}
+                 "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 PT_COLUMNS = {"prompt": "text"}
 
+# a plain ChatML Jinja template (tests and tiny tokenizers); named templates are in templates.py
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n'"
-          " + m['content'] + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
-TEMPLATES = {"chatml": CHATML, "qwen": CHATML, "llama3": LLAMA3}
 
 
 # registry ---------------------------------------------------------------------------
@@ -86,6 +84,7 @@ def _text(value) -> str:
 
 
 def alpaca_messages(record: dict, columns: dict, name: str) -> list[dict]:
+    """An alpaca record as messages: [system], history pairs, "instruction\ninput", output."""
     cols = {**ALPACA_COLUMNS, **columns}
     for key in ("prompt", "response"):
         if cols[key] not in record:
@@ -98,22 +97,32 @@ def alpaca_messages(record: dict, columns: dict, name: str) -> list[dict]:
         if not (isinstance(turn, (list, tuple)) and len(turn) == 2):
             raise DataError(f"data set {name!r}: history entries must be [user, assistant] pairs, got {turn!r}.")
         messages += [{"role": "user", "content": _text(turn[0])}, {"role": "assistant", "content": _text(turn[1])}]
-    query = _text(record.get(cols["query"]))
-    prompt = _text(record[cols["prompt"]]) + ("\n" + query if query else "")
-    messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": _text(record[cols["response"]])}]
+    # LLaMA-Factory joins the non-empty ones: "instruction\ninput"
+    prompt = "\n".join(_text(record.get(cols[k])) for k in ("prompt", "query") if record.get(cols[k]))
+    messages.append({"role": "user", "content": prompt})
+    if isinstance(record[cols["response"]], str):   # else no reply: check_conversation skips the record
+        messages.append({"role": "assistant", "content": record[cols["response"]]})
     return messages
 
 
 def sharegpt_messages(record: dict, columns: dict, tags: dict, name: str) -> list[dict]:
+    """A sharegpt record as messages with roles system, user, assistant, observation and function
+    (function_call turns). The system prompt is a first system turn, else the system column."""
     cols, tg = {**SHAREGPT_COLUMNS, **columns}, {**SHAREGPT_TAGS, **tags}
     if cols["messages"] not in record:
         raise DataError(f"data set {name!r} (sharegpt): records have no {cols['messages']!r} column "
                         f"(has {sorted(record)}); set columns.messages (and tags for role/content) in dataset_info.json.")
-    roles = {tg["user_tag"]: "user", tg["assistant_tag"]: "assistant", tg["system_tag"]: "system"}
+    roles = {tg["user_tag"]: "user", tg["assistant_tag"]: "assistant", tg["system_tag"]: "system",
+             tg["observation_tag"]: "observation", tg["function_tag"]: "function"}
+    turns = list(record[cols["messages"]] or [])
     messages = []
-    if record.get(cols["system"]):
+    first = turns[0] if turns and isinstance(turns[0], dict) else {}
+    if first.get(tg["role_tag"]) == tg["system_tag"]:   # as LLaMA-Factory: a first system turn wins
+        messages.append({"role": "system", "content": _text(first.get(tg["content_tag"]))})
+        turns = turns[1:]
+    elif record.get(cols["system"]):
         messages.append({"role": "system", "content": _text(record[cols["system"]])})
-    for turn in record[cols["messages"]] or []:
+    for turn in turns:
         role = roles.get(turn.get(tg["role_tag"])) if isinstance(turn, dict) else None
         if role is None:
             raise DataError(f"data set {name!r}: turn {turn!r} has no role among {sorted(roles)} under "
@@ -122,51 +131,43 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, name: str) -> lis
     return messages
 
 
-def check_conversation(messages: list[dict], name: str) -> None:
-    turns = messages[1:] if messages and messages[0]["role"] == "system" else messages
-    if not turns or turns[-1]["role"] != "assistant":
-        raise DataError(f"data set {name!r}: a conversation must end with an assistant reply: {messages!r:.200}")
-    for i, m in enumerate(turns):
-        if m["role"] != ("user" if i % 2 == 0 else "assistant"):
-            raise DataError(f"data set {name!r}: turns must alternate user/assistant: {messages!r:.200}")
+def check_conversation(messages: list[dict], name: str) -> str | None:
+    """Why LLaMA-Factory would skip this conversation, or None: turns must alternate user (or
+    observation) and assistant (or function_call) and end with a reply. Not fatal: the record is
+    skipped and counted, as LLaMA-Factory does."""
+    from .encode import malformed
+    return malformed(messages)
+
+
+def record_tools(record: dict, columns: dict, formatting: str):
+    """The record's tool schemas (the tools column: a JSON string or a list), or None."""
+    cols = {**(ALPACA_COLUMNS if formatting == "alpaca" else SHAREGPT_COLUMNS), **columns}
+    return record.get(cols["tools"]) or None
 
 
 # tokenization -----------------------------------------------------------------------
-def chat_template(tokenizer, template: str | None) -> str:
-    if template is None:
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("the tokenizer has no chat_template: set template to one of "
-                            f"{', '.join(TEMPLATES)}.")
-        return tokenizer.chat_template
-    if template not in TEMPLATES:
-        raise DataError(f"template={template!r}: use one of {', '.join(TEMPLATES)} or leave it unset for the "
-                        "tokenizer's own chat_template.")
-    return TEMPLATES[template]
+def chat_template(tokenizer, template: str | None, config=None):
+    """The run's conversation encoder (encode.ChatEncoder): LLaMA-Factory's template `template`,
+    or, unset, the tokenizer's own chat_template cut into turns. `config` gives the other
+    LLaMA-Factory options (default_system, tool_format, enable_thinking, train_on_prompt). Fixes
+    the tokenizer's EOS / pad / stop words for the template, as LLaMA-Factory does."""
+    from .encode import make_encoder
+    opts = {} if config is None else dict(default_system=config.default_system, tool_format=config.tool_format,
+                                          enable_thinking=config.enable_thinking,
+                                          train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
+    return make_encoder(tokenizer, template, **opts)
 
 
-def _render(tokenizer, template: str, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
-                                        add_generation_prompt=generation_prompt, return_dict=False)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
-
-
-def encode_chat(tokenizer, template: str, messages: list[dict], cutoff_len: int, train_on_prompt: bool = False,
-                mask_history: bool = False) -> Example:
-    ids: list[int] = []
-    labels: list[int] = []
-    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    for i in replies:
-        prompt = _render(tokenizer, template, messages[:i], generation_prompt=True)
-        full = _render(tokenizer, template, messages[: i + 1], generation_prompt=False)
-        if prompt[: len(ids)] != ids or full[: len(prompt)] != prompt:
-            raise DataError("the chat template does not render a conversation's prefixes as prefixes, so prompt "
-                            "and reply tokens cannot be told apart; choose another template.")
-        ids += prompt[len(ids):]
-        labels += prompt[len(labels):] if train_on_prompt else [IGNORE] * (len(prompt) - len(labels))
-        reply = full[len(prompt):]
-        ids += reply
-        labels += [IGNORE] * len(reply) if mask_history and i != replies[-1] else reply
-    return Example(ids[:cutoff_len], labels[:cutoff_len])
+def encode_chat(tokenizer, template, messages: list[dict], cutoff_len: int, train_on_prompt: bool = False,
+                mask_history: bool = False, tools=None) -> Example:
+    """One conversation's Example, encoded turn by turn (encode.py). `template`: a ChatEncoder
+    (chat_template's), or a Jinja chat template string, cut into turns as the tokenizer's own."""
+    from .encode import ChatEncoder
+    from .jinja_template import parse_chat_template
+    if isinstance(template, str):
+        template = ChatEncoder(parse_chat_template(tokenizer, template))
+    ids, labels = template.encode(tokenizer, messages, cutoff_len, train_on_prompt, mask_history, tools)
+    return Example(ids, labels)
 
 
 def pretrain_tokens(tokenizer, text) -> list[int]:
@@ -192,7 +193,8 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
                     **attr.columns}["images"]
     messages = (alpaca_messages(record, attr.columns, name) if attr.formatting == "alpaca"
                 else sharegpt_messages(record, attr.columns, attr.tags, name))
-    check_conversation(messages, name)
+    if check_conversation(messages, name):   # LLaMA-Factory skips it too
+        return None, "malformed"
     paths = record.get(image_column) or None
     if paths and images is None:
         raise DataError(f"data set {name!r} has images (column {image_column!r}) but "
@@ -201,7 +203,7 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
     if paths:
         messages, image_tokens = images.expand(messages, list(paths), name)
     ex = encode_chat(tokenizer, template, messages, config.cutoff_len, config.train_on_prompt,
-                     config.mask_history)
+                     config.mask_history, record_tools(record, attr.columns, attr.formatting))
     if paths:
         ex.images = list(paths)
         ex.labels = [IGNORE if t == images.image_token_id else y for t, y in zip(ex.input_ids, ex.labels)]
@@ -219,7 +221,7 @@ def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples,
     disk (tokenize_cache.py). `images` (images.ImageInputs) handles a VLM's images."""
     from .tokenize_cache import to_examples, tokenized
     check_datasets(config)
-    template = chat_template(tokenizer, config.template) if config.stage == "sft" else None
+    template = chat_template(tokenizer, config.template, config) if config.stage == "sft" else None
     table, records = tokenized(config, tokenizer, template, images, say)
     examples, dropped = to_examples(table, config.stage, config.cutoff_len)
     counts = {"samples": len(table), "dropped": 0, "records": {n: records.get(n, "?") for n in config.datasets},
@@ -250,33 +252,35 @@ def fingerprint(examples: list[Example]) -> str:
     return h.hexdigest()[:32]
 
 
-def pack(examples: list[Example], cutoff_len: int, seed: int) -> Examples:
+def pack(examples: list[Example] | Examples, cutoff_len: int, seed: int) -> Examples:
     """Greedy first-fit packing of shuffled examples into sequences of at most `cutoff_len`.
 
     Samples do not see each other: positions restart at every sample, which makes transformers
     build a block-diagonal causal mask (no 2-D attention mask is passed), and the first token of
     each sample is not a target (it would be predicted from the previous sample's last token).
+    Works on the int32 store: no example is materialised as Python lists.
     """
-    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
-    bins: list[list[Example]] = []
+    store = examples if isinstance(examples, Examples) else Examples.from_list(examples)
+    lengths = store.lengths().tolist()
+    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(seed)).tolist()
+    bins: list[list[int]] = []
     room: list[int] = []
     for i in order:
-        ex = examples[i]
-        k = next((b for b, r in enumerate(room) if r >= len(ex.input_ids)), None)
+        k = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
         if k is None:
             bins.append([]), room.append(cutoff_len)
             k = len(bins) - 1
-        bins[k].append(ex)
-        room[k] -= len(ex.input_ids)
-    packed = []
-    for members in bins:
-        ids, labels, positions = [], [], []
-        for ex in members:
-            ids += ex.input_ids
-            labels += [IGNORE] + ex.labels[1:]
-            positions += list(range(len(ex.input_ids)))
-        packed.append(Example(ids, labels, positions))
-    return Examples.from_list(packed)
+        bins[k].append(i)
+        room[k] -= lengths[i]
+    members = np.array([i for b in bins for i in b], dtype=np.int64)
+    sizes = store.lengths()[members]
+    firsts = np.cumsum(sizes) - sizes                     # where each sample starts in the packed stream
+    ids = np.concatenate([store.ids[store.starts[i]:store.ends[i]] for i in members])
+    labels = np.concatenate([store.labels[store.starts[i]:store.ends[i]] for i in members])
+    labels[firsts] = IGNORE
+    positions = (np.arange(len(ids)) - np.repeat(firsts, sizes)).astype(np.int32)
+    bin_ends = np.cumsum([sum(lengths[i] for i in b) for b in bins], dtype=np.int64)
+    return Examples(ids, labels, np.concatenate(([0], bin_ends[:-1])), bin_ends, positions)
 
 
 def show_example(tokenizer, ex: Example) -> str:
