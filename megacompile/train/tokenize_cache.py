@@ -12,7 +12,7 @@ entries, the tokenizer (its vocabulary, merges, special tokens and chat template
 the data options of the config (every key but the training-only ones listed below) and the
 source of the encoding code. A later run with the same key reads the table instead of
 tokenizing; `overwrite_cache: true` rebuilds it. `<cache>` is $MEGATRAIN_CACHE, else
-$XDG_CACHE_HOME/megatrain, else ~/.cache/megatrain.
+~/.cache/megatrain. Entries are not evicted: delete the folder to reclaim the space.
 
 `tokenized_path` works as in LLaMA-Factory: when it holds a tokenized set (ours, or one saved by
 LLaMA-Factory: a DatasetDict whose "train" split has input_ids and labels), it is loaded and the
@@ -45,7 +45,8 @@ TRAINING_ONLY = {
     "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain",
 }
 # the code that turns records into tokens: a change to it must not read stale examples
-_CODE = ("data.py", "templates.py", "encode.py", "registry.py", "sources.py", "tokenize_cache.py")
+_CODE = ("data.py", "templates.py", "encode.py", "jinja_template.py", "tool_formats.py", "images.py", "registry.py",
+         "sources.py", "tokenize_cache.py", "examples.py")
 
 
 def features():
@@ -56,9 +57,8 @@ def features():
 
 
 def cache_root() -> Path:
-    if os.environ.get("MEGATRAIN_CACHE"):
-        return Path(os.environ["MEGATRAIN_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain"
+    """$MEGATRAIN_CACHE or ~/.cache/megatrain (the embedded model's cache root too)."""
+    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain").expanduser()
 
 
 # the per-record function ------------------------------------------------------------
@@ -121,7 +121,8 @@ def cache_key(config, tokenizer, template, sources: dict[str, str]) -> str:
     options = {k: v for k, v in config.to_dict().items() if k not in TRAINING_ONLY and k not in config.megatrain}
     if config.mix_strategy == "concat" and all(registry[n].num_samples is None for n in config.datasets):
         options.pop("seed", None)   # the seed chooses no records then
-    blob = json.dumps({"format": FORMAT, "code": code, "options": options, "template": template,
+    # the template as its fields (a dataclass repr: no object addresses, so equal runs share a key)
+    blob = json.dumps({"format": FORMAT, "code": code, "options": options, "template": repr(template),
                        "tokenizer": tokenizer_digest(tokenizer),
                        "sets": {n: [asdict(registry[n]), registry[n].load_from, sources[n]] for n in config.datasets}},
                       sort_keys=True, default=str)
