@@ -1,12 +1,19 @@
 """Checkpoints that survive a kill at any moment and are read back without running any code.
 
-`output_dir/checkpoint-N/` holds:
-  model.safetensors   fp32 master weights by parameter name (exact, not the bf16 copies)
+`output_dir/checkpoint-N/` is a Hugging Face model folder, so
+`AutoModelForCausalLM.from_pretrained("checkpoint-N")` loads it, and it holds:
+  model.safetensors   fp32 master weights by parameter name (exact, not the bf16 copies) and the
+                      persistent buffers; above 5 GB sharded as save_pretrained does
+                      (model-0000k-of-0000n.safetensors + model.safetensors.index.json, the shard
+                      plan by huggingface_hub's split_torch_state_dict_into_shards)
+  config.json, generation_config.json, the tokenizer's (or processor's) files
   optimizer.pt        optimizer state: tensors and plain containers only (read with weights_only=True;
                       loaded while parameters show their masters, so torch keeps the moments fp32)
   rng.json            Python, NumPy, torch (and CUDA) generator states as JSON (rng_state.py)
   trainer.json        written last: step, scheduler state, data position, counters, config, the
                       data fingerprint and the size of every other file
+config.json keeps the model's dtype: from_pretrained loads the fp32 masters into it (bf16 for a
+bf16 model), as the final export holds it.
 
 Writing (`save`): into `checkpoint-N.tmp`, every file fsynced, renamed into place, the folder
 fsynced: a kill leaves either the complete new checkpoint or none. Saving a step that exists
@@ -42,8 +49,11 @@ from . import rng_state
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _PREV = re.compile(r"^checkpoint-(\d+)\.prev$")
-FILES = ("model.safetensors", "optimizer.pt", "rng.json")
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+FILES = (WEIGHTS, "optimizer.pt", "rng.json")   # (sharded weights: the index instead of model.safetensors)
 TRAINER = "trainer.json"
+MAX_SHARD_SIZE = "5GB"   # save_pretrained's shard size before transformers 5 (5.x writes 50 GB shards)
 
 
 class CheckpointError(MegatrainError):
@@ -140,13 +150,53 @@ def _make_room(out: Path, step: int, need: int, limit: int | None) -> None:
             "oldest are then removed before a save that needs their space). The previous checkpoints are intact.")
 
 
+def _write_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """`tensors` as save_pretrained writes them: one model.safetensors, or shards of at most
+    MAX_SHARD_SIZE and their index (huggingface_hub plans the shards, as for save_pretrained)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
+                                               max_shard_size=MAX_SHARD_SIZE)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: tensors[n] for n in names}, str(folder / filename))
+    if split.is_sharded:
+        index = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()), **split.metadata},
+                 "weight_map": split.tensor_to_filename}
+        (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _write_model_files(model: torch.nn.Module, saver, folder: Path) -> None:
+    """config.json (with the model's architecture, as save_pretrained writes it), the generation
+    config and the tokenizer's or processor's files: what from_pretrained needs besides weights."""
+    import copy
+    config = copy.deepcopy(model.config)   # (the live model's config is not changed)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    generation = getattr(model, "generation_config", None)
+    if generation is not None and getattr(model, "can_generate", lambda: False)():
+        generation.save_pretrained(folder)
+    if saver is not None:
+        saver.save_pretrained(folder)
+
+
+def _weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameter name -> fp32 master (tied weights once, under their first name), and the
+    persistent buffers, so from_pretrained finds every tensor of the state dict."""
+    tensors = {name: master_weight(p).detach().contiguous() for name, p in model.named_parameters()}
+    aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}   # (a tied LM head's too)
+    for name, t in model.state_dict().items():
+        if name not in aliases:
+            tensors[name] = t.detach().contiguous()
+    return tensors
+
+
 def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any],
-         limit: int | None = None) -> Path:
+         limit: int | None = None, saver=None) -> Path:
+    """Write checkpoint-N (see the module docstring); `saver`: the tokenizer or processor whose
+    files go with it."""
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"checkpoint-{step}.tmp"
-    masters = {name: master_weight(p).detach().contiguous()
-               for name, p in model.named_parameters()}  # tied weights: once, under their first name
+    masters = _weights_to_save(model)
     bad = [name for name, t in masters.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:   # never write a checkpoint that cannot be trained from
         raise TrainingError(f"step {step}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not "
@@ -158,10 +208,11 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     _make_room(out, step, need, limit)
     try:
         tmp.mkdir(parents=True)
-        save_file(masters, str(tmp / "model.safetensors"))
+        _write_weights(masters, tmp)
+        _write_model_files(model, saver, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "rng.json").write_text(json.dumps(rng_state.capture()))
-        files = {name: (tmp / name).stat().st_size for name in FILES}
+        files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / TRAINER).write_text(json.dumps({**trainer_state, "step": step, "files": files}, indent=1))
         for f in tmp.iterdir():
             _fsync(f)
@@ -241,6 +292,8 @@ def read(path: str | Path) -> Loaded:
         raise _damaged(path, TRAINER, "it lacks step, scheduler, data or state")
     legacy_rng = not (path / "rng.json").exists() and (path / "rng.pt").is_file()   # an earlier megatrain's
     names = [n for n in FILES if not (legacy_rng and n == "rng.json")] + (["rng.pt"] if legacy_rng else [])
+    if (path / WEIGHTS_INDEX).is_file():   # sharded weights: the index names the shards
+        names = [WEIGHTS_INDEX if n == WEIGHTS else n for n in names]
     for name in names:
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + _elsewhere(path))
@@ -250,13 +303,7 @@ def read(path: str | Path) -> Loaded:
         actual = (path / name).stat().st_size
         if actual != size:
             raise _damaged(path, name, f"{actual} bytes where the checkpoint wrote {size}: truncated or changed")
-    try:
-        masters = load_file(str(path / "model.safetensors"))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise _damaged(path, "model.safetensors", str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    if bad := _finite(masters):
-        raise CheckpointError(f"{path / 'model.safetensors'}: the weights {', '.join(bad[:3])} are not finite (NaN or "
-                              "inf), so training from it would train nothing. " + _elsewhere(path))
+    masters = _read_weights(path)
     try:
         optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
     except Exception as e:   # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
@@ -280,12 +327,47 @@ def read(path: str | Path) -> Loaded:
     return Loaded(path, masters, optimizer, rng, trainer)
 
 
+def _shards(path: Path) -> list[str]:
+    """The weight files of a checkpoint: model.safetensors, or the shards its index names."""
+    if not (path / WEIGHTS_INDEX).is_file():
+        return [WEIGHTS]
+    try:
+        weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise _damaged(path, WEIGHTS_INDEX, f"not a safetensors index ({type(e).__name__})") from None
+    for name in shards:   # plain names in this folder: an index cannot point elsewhere
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise _damaged(path, WEIGHTS_INDEX, f"its weight_map names {name!r}, not a file of the checkpoint")
+        if not (path / name).is_file():
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}, a shard its index names). "
+                                  + _elsewhere(path))
+    return shards
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's weight files, checked finite."""
+    masters: dict[str, torch.Tensor] = {}
+    for name in _shards(path):
+        try:
+            part = load_file(str(path / name))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise _damaged(path, name, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        masters.update(part)
+        if bad := _finite(part):
+            raise CheckpointError(f"{path / name}: the weights {', '.join(bad[:3])} are not finite (NaN or inf), so "
+                                  "training from it would train nothing. " + _elsewhere(path))
+    return masters
+
+
 def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) -> dict[str, Any]:
     """Set weights, optimizer state and generators from a checkpoint that `read` checked;
     returns its trainer.json. Everything that can mismatch is compared before anything is set."""
     path, masters = loaded.path, loaded.masters
     params = dict(model.named_parameters())
-    missing, unexpected = set(params) - set(masters), set(masters) - set(params)
+    buffers = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    # (persistent buffers are saved for from_pretrained; training does not change them)
+    missing, unexpected = set(params) - set(masters), set(masters) - set(params) - buffers
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match this model (missing {sorted(missing)[:3]}, unexpected "
                               f"{sorted(unexpected)[:3]}): resume with the same model_name_or_path and num_layers.")

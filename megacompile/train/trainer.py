@@ -31,6 +31,8 @@ from ..vlm import is_vlm
 from . import checkpoint, resume, schedule
 from .config import TrainConfig
 from .data import IGNORE, Order, build_examples, check_datasets, collate, fingerprint, show_example
+from .evaluate import Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
+from .flops import FlopCounter, device_peak
 from .images import image_inputs
 from .model_source import ModelSource
 from .preflight import PreflightError, check_device, plan_check, preflight  # noqa: F401 (PreflightError: API)
@@ -165,6 +167,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     reporter = open_reporter(config)   # (a tracker's missing package is said before anything loads)
     loaded = _resume_point(run, config)
     applied = _check_resume(loaded, config) if loaded is not None else []
+    check_eval_config(config)
     sources = check_datasets(config)
     _seed(config.seed)
     source = ModelSource(config, device)
@@ -183,6 +186,10 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     say(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples ({counts['dropped']} dropped: "
         f"no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, [[not trained]]:\n"
         f"{show_example(source.tokenizer, examples[0])}")
+    split = eval_set(config, source.tokenizer, images, examples, counts)   # (val_size: fewer to train on)
+    examples = split.train
+    if split.note:
+        say(f"[megatrain] {split.note}")
     data_fingerprint = fingerprint(examples)
     if loaded is not None and loaded.trainer.get("data_fingerprint", data_fingerprint) != data_fingerprint:
         changed = resume.data_changes(loaded.trainer.get("config") or {}, config.to_dict())
@@ -237,11 +244,15 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         say(f"[megatrain] {note}")
     reporter.start(out, config)
     names = {id(p): n for n, p in model.named_parameters()}
+    peak_tflops, peak_why = device_peak(config, device, next(model.parameters()).dtype)
+    say(f"[megatrain] MFU in the log is against the {peak_why}")
     from tqdm.auto import tqdm
     bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
     try:
         ran, skipped = _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state,
-                             total, steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step)
+                             total, steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step,
+                             evals=(EvalSchedule(config, total, steps_per_epoch), split.examples),
+                             flops=(FlopCounter(model), peak_tflops), saver=processor or tokenizer)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -274,18 +285,22 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
 
 
 def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state, total,
-          steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step) -> tuple[int, int]:
+          steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step, evals=None, flops=None,
+          saver=None) -> tuple[int, int]:
     """The training steps, from state["step"] to `total` (or `stop_at_step`); returns how many
-    steps ran and how many of them were skipped."""
+    steps ran and how many of them were skipped. `evals`: (evaluate.Schedule, eval examples);
+    `flops`: (flops.FlopCounter, the device's peak TFLOP/s) for the log's tflops and mfu;
+    `saver`: the tokenizer (or processor) each checkpoint holds."""
     names = {id(p): n for n, p in model.named_parameters()}
     accum = config.gradient_accumulation_steps
-    window: list[tuple[float, int, float]] = []   # (loss, trained tokens, seconds) since the last log
+    counter, peak_tflops = flops if flops is not None else (None, 0.0)
+    window: list[tuple[float, int, float, float]] = []   # (loss, trained tokens, seconds, FLOPs) since the last log
     ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     with open(out / LOG_NAME, "a") as log:
         while state["step"] < total:
             t0 = time.perf_counter()
-            micro = [collate([examples[i] for i in order.next()], tokenizer.pad_token_id, images=images)
-                     for _ in range(accum)]
+            picked = [[examples[i] for i in order.next()] for _ in range(accum)]
+            micro = [collate(b, tokenizer.pad_token_id, images=images) for b in picked]
             tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
             count = torch.tensor(max(tokens, 1))
             loss = 0.0
@@ -320,7 +335,8 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             seconds = time.perf_counter() - t0
             state["trained_tokens"] += tokens
             state["seconds"] += seconds
-            window.append((loss, tokens, seconds))
+            window.append((loss, tokens, seconds,
+                           sum(counter.example(ex) for b in picked for ex in b) if counter is not None else 0.0))
             lr = scheduler.get_last_lr()[0]
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
             bar.update(1)
@@ -329,6 +345,10 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                        "tokens_per_s": sum(w[1] for w in window) / max(sum(w[2] for w in window), 1e-9),
                        "grad_norm": norm, "skipped_steps": state["skipped_steps"],
                        "epoch": state["step"] / steps_per_epoch, "trained_tokens": state["trained_tokens"]}
+                if counter is not None:   # model FLOPs of the window's steps per second (flops.py)
+                    row["tflops"] = sum(w[3] for w in window) / max(sum(w[2] for w in window), 1e-9) / 1e12
+                    row["mfu"] = row["tflops"] / peak_tflops if peak_tflops > 0 else None
+                row["peak_device_bytes"] = _peak_device_bytes(cmodel)
                 if optimizer.backward:   # is the optimizer under the backward paying off? (cumulative counts)
                     row["optimizer_overlap"] = dict(optimizer.counters)
                 log.write(json.dumps(row) + "\n")
@@ -341,16 +361,37 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                                     "gradient norm and were skipped: the run is diverging, or its data or weights hold "
                                     "NaN/inf. Lower learning_rate (or raise warmup_steps) and resume, or raise "
                                     f"max_consecutive_skipped_steps; {_last_checkpoint(out)}.")
+            if evals is not None and evals[0].due(state["step"]):   # (as HF: evaluate, then save)
+                optimizer.synchronize()
+                _check_weights(optimizer, names, state["step"], out)
+                eval_loss, eval_tokens, eval_seconds = evaluate(cmodel, model, optimizer, evals[1],
+                                                                config.per_device_eval_batch_size,
+                                                                tokenizer.pad_token_id, images)
+                row = {"step": state["step"], "epoch": state["step"] / steps_per_epoch, "eval_loss": eval_loss,
+                       "eval_tokens": eval_tokens, "eval_seconds": eval_seconds}
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                reporter.log({"loss": eval_loss}, state["step"], prefix="eval")
+                bar.write(f"[megatrain] step {state['step']}: eval_loss {eval_loss:.4f} over {eval_tokens} tokens")
             if state["step"] % config.save_steps == 0 or state["step"] == total:
                 optimizer.synchronize()
                 _check_weights(optimizer, names, state["step"], out)
                 checkpoint.save(out, state["step"], model, optimizer,
                                 {"scheduler": scheduler.state_dict(), "data": order.state_dict(), "state": state,
                                  "config": config.to_dict(), "data_fingerprint": data_fingerprint},
-                                config.save_total_limit)
+                                config.save_total_limit, saver=saver)
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     return ran, skipped
+
+
+def _peak_device_bytes(cmodel) -> int | None:
+    """The device memory peak of the last step (megacompile.stats), None if it has none."""
+    from ..backend import stats
+    try:
+        return stats(cmodel)["peak_device_bytes"]
+    except (ValueError, KeyError):   # (a model the backend has not run, e.g. a wrapper)
+        return None
 
 
 def export_step(out: Path) -> int | None:
@@ -389,14 +430,20 @@ def _export(out: Path, model, saver, step: int) -> None:
 
 
 def _plot(out: Path) -> None:
+    """training_loss.png: the training loss per logged step, and the eval loss where there is one."""
     rows, _ = read_log(out / LOG_NAME)
-    if not rows:
+    train_rows = [r for r in rows if isinstance(r.get("loss"), (int, float))]
+    eval_rows = [r for r in rows if isinstance(r.get("eval_loss"), (int, float))]
+    if not train_rows and not eval_rows:
         return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows])
+    ax.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train")
+    if eval_rows:
+        ax.plot([r["step"] for r in eval_rows], [r["eval_loss"] for r in eval_rows], marker="o", label="eval")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("training loss")

@@ -146,8 +146,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore_
         from .linear_cross_entropy import _loss_and_grad_chunk as chunk_fn
     loss, dh, dw = loss_and_grads(hidden, weight, labels, reduction, ignore_index, grad_hidden, grad_weight,
                                   chunk_fn)
-    empty = hidden.new_empty(0)
-    return loss, (dh.contiguous() if dh is not None else empty), (dw if dw is not None else empty)
+    # (one empty tensor each: outputs of a custom op may not alias each other, which a no-grad
+    # call, wanting neither gradient, would otherwise make them)
+    return (loss, dh.contiguous() if dh is not None else hidden.new_empty(0),
+            dw if dw is not None else hidden.new_empty(0))
 
 
 @linear_cross_entropy.register_fake
