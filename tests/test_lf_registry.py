@@ -295,3 +295,28 @@ def test_packing_works_on_the_store(tok):
     assert len(starts) >= 2 and all(first.labels[k] == IGNORE for k in starts)
     assert sum(e.trained_tokens for e in packed) == sum(e.trained_tokens for e in listed) - sum(
         1 for e in listed if e.labels[0] != IGNORE)
+
+
+def test_a_damaged_cache_is_rebuilt_and_a_full_disk_is_one_error(tmp_path, tok, cache, monkeypatch, capsys):
+    import errno
+    c = cfg(EXAMPLES, dataset="alpaca_demo")
+    first = fingerprint(build_examples(c, tok)[0])
+    (entry,) = [p for p in (cache / "tokenized").iterdir()]
+    for arrow in (entry / "data").glob("*.arrow"):
+        arrow.write_bytes(b"garbage")
+    assert fingerprint(build_examples(c, tok)[0]) == first
+    assert "cannot be read" in capsys.readouterr().out
+    # overwrite_cache replaces the entry (the old one is not read)
+    meta = json.loads((entry / tokenize_cache.META).read_text())
+    (entry / tokenize_cache.META).write_text(json.dumps({**meta, "records": {"alpaca_demo": -1}}))
+    assert build_examples(cfg(EXAMPLES, dataset="alpaca_demo", overwrite_cache=True), tok)[1]["records"] == {
+        "alpaca_demo": 16}
+
+    def full(tmp, entry):
+        raise OSError(errno.ENOSPC, "No space left on device", str(entry))
+    monkeypatch.setattr(tokenize_cache, "_publish", full)
+    with pytest.raises(DataError, match="No space left on device.*MEGATRAIN_CACHE"):
+        build_examples(cfg(EXAMPLES, dataset="alpaca_demo", cutoff_len=40), tok)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(DataError, match="tokenized_path .*afile is a file"):
+        check_datasets(cfg(EXAMPLES, dataset="alpaca_demo", tokenized_path=str(tmp_path / "afile")))

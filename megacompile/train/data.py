@@ -57,6 +57,9 @@ def check_datasets(config) -> dict[str, str]:
         raise DataError("streaming: true is not supported: a checkpoint's data position is an index into examples "
                         "tokenized in full, which a stream cannot resume exactly. Set streaming: false: the tokens "
                         "are cached on disk and held as int32 arrays (4 bytes per token for stage pt).")
+    if config.tokenized_path and Path(config.tokenized_path).exists() and not Path(config.tokenized_path).is_dir():
+        raise DataError(f"tokenized_path {config.tokenized_path} is a file: give a folder (a new or empty one saves "
+                        "the tokenized data there, one holding it loads it).")
     if config.tokenized_path and _has_data(Path(config.tokenized_path)):
         return {name: f"tokenized_path {config.tokenized_path}" for name in config.datasets}
     if config.mix_strategy != "concat" and config.mix_strategy not in MIX_STRATEGIES:

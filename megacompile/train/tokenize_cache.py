@@ -22,6 +22,7 @@ image files the key does not digest.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -158,30 +159,54 @@ def tokenized(config, tokenizer, template, images=None, say=print):
         raws[name] = None if attr.load_from == "file" else _load(attr, config)
         digests[name] = source_digest(attr, config, raws[name])
     key = cache_key(config, tokenizer, template, digests)
-    cache = images is None   # image data: see the module docstring
     entry = cache_root() / "tokenized" / key
-    if cache and not config.overwrite_cache and (entry / META).is_file():
-        table, records = _load_entry(entry)
-    else:
-        tmp = entry.parent / f".tmp-{key}-{os.getpid()}"
-        try:
-            table, records = _build(config, tokenizer, template, images, raws, tmp, key)
-            if cache:
-                _publish(tmp, entry)
-                table, records = _load_entry(entry)   # memory-mapped, the in-process copy freed
-        except OSError as e:
-            raise DataError(f"could not write the tokenized data under {entry.parent} ({e.strerror or e}): free "
-                            "space there or set MEGATRAIN_CACHE to a folder with room.") from None
-        finally:
-            if not cache or tmp.exists():
+    target = Path(config.tokenized_path) if config.tokenized_path else None
+    tmp = entry.parent / f".tmp-{key}-{os.getpid()}"
+    try:
+        loaded = None if config.overwrite_cache or images is not None else _cached(entry, say)
+        if loaded is None:
+            try:
+                _build(config, tokenizer, template, images, raws, tmp, key)
+                if images is None:   # image data: see the module docstring
+                    _publish(tmp, entry)
+                else:
+                    loaded = _load_entry(tmp, in_memory=True)
+                    if target is not None:
+                        _copy_into(tmp, target)
+            finally:
                 shutil.rmtree(tmp, ignore_errors=True)
-    if config.tokenized_path:
-        target = Path(config.tokenized_path)
-        if target.exists():
-            target.rmdir()   # empty (else it was loaded above)
-        shutil.copytree(entry, target) if cache else _save(table, records, key, target)
+        if images is None:
+            loaded = loaded or _load_entry(entry)
+            if target is not None:
+                _copy_into(entry, target)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        raise DataError(f"could not write the tokenized data to {e.filename or entry.parent} ({e.strerror}): free "
+                        "space there, or set MEGATRAIN_CACHE (the cache) or tokenized_path to a writable folder with "
+                        "room.") from None
+    if target is not None:
         say(f"[megatrain] tokenized data saved to {target}: runs with tokenized_path: {target} read it back.")
-    return table, records
+    return loaded
+
+
+def _cached(entry: Path, say):
+    """The cache entry's (table, records), or None when there is none or it cannot be read
+    (then it is removed, and rebuilt by the caller)."""
+    if not (entry / META).is_file():
+        return None
+    try:
+        return _load_entry(entry)
+    except Exception as e:  # a damaged entry (files deleted or truncated) is a miss, not an error
+        say(f"[megatrain] the tokenized cache {entry} cannot be read ({type(e).__name__}); tokenizing again.")
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+
+
+def _copy_into(src: Path, target: Path) -> None:
+    if target.is_dir():
+        target.rmdir()   # empty: one with data was loaded instead
+    shutil.copytree(src, target)
 
 
 def _attr(config, name) -> DatasetAttr:
@@ -194,8 +219,8 @@ def _load(attr: DatasetAttr, config):
     return load_source(attr, config.dataset_dir, config.allow_outside_dataset_dir, config.preprocessing_num_workers)
 
 
-def _build(config, tokenizer, template, images, raws, tmp: Path, key: str):
-    import datasets
+def _build(config, tokenizer, template, images, raws, tmp: Path, key: str) -> None:
+    """Loads, samples, tokenizes and mixes the data sets into `tmp` (see _save)."""
     import numpy as np
 
     from .sources import mix, parse_probs, select_records
@@ -205,7 +230,7 @@ def _build(config, tokenizer, template, images, raws, tmp: Path, key: str):
     workers = config.preprocessing_num_workers if images is None else None   # see the module docstring
     for k, name in enumerate(config.datasets):
         attr = _attr(config, name)
-        raw = raws.get(name) or _load(attr, config)
+        raw = raws[name] if raws.get(name) is not None else _load(attr, config)
         raw = select_records(raw, attr, config.max_samples, rng)
         records[name] = len(raw)
         part = raw.map(encode_batch, batched=True, remove_columns=raw.column_names, features=features(),
@@ -217,7 +242,6 @@ def _build(config, tokenizer, template, images, raws, tmp: Path, key: str):
     probs = parse_probs(config.interleave_probs, len(parts), config.mix_strategy)
     table = mix(parts, config.mix_strategy, probs, config.seed)
     _save(table, records, key, tmp)
-    return datasets.load_from_disk(str(tmp / "data")), records
 
 
 def _save(table, records: dict, key: str, folder: Path) -> None:
@@ -227,9 +251,12 @@ def _save(table, records: dict, key: str, folder: Path) -> None:
 
 
 def _publish(tmp: Path, entry: Path) -> None:
-    """Moves a built entry into place in one rename (a concurrent run may have made it first)."""
+    """Moves a built entry into place in one rename, replacing an old one (overwrite_cache); a
+    concurrent run that made the same entry first is fine: it holds the same data."""
     for part in tmp.glob("part-*.arrow"):
         part.unlink()
+    if (entry / META).is_file():
+        shutil.rmtree(entry)
     try:
         os.rename(tmp, entry)
     except OSError:
@@ -237,10 +264,10 @@ def _publish(tmp: Path, entry: Path) -> None:
             raise
 
 
-def _load_entry(entry: Path):
+def _load_entry(entry: Path, in_memory: bool = False):
     import datasets
     meta = json.loads((entry / META).read_text())
-    return datasets.load_from_disk(str(entry / "data")), meta["records"]
+    return datasets.load_from_disk(str(entry / "data"), keep_in_memory=in_memory), meta["records"]
 
 
 def _load_tokenized_path(path: Path, say):
