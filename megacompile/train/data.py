@@ -10,8 +10,10 @@
                               "user_tag": "user", "assistant_tag": "assistant"}},
      "hub":         {"hf_hub_url": "tatsu-lab/alpaca", "split": "train", "num_samples": 1000}}
 
-`file_name` is a file or a folder of json / jsonl / csv / parquet / arrow files (read with
-`datasets`). Alpaca records (instruction, input, output, optional system and history) and
+`file_name` is a file or a folder of json / jsonl / csv / parquet / arrow / txt files (read with
+`datasets`). The registry is read as LLaMA-Factory reads it (registry.py); the sets are loaded,
+sampled and mixed as it does (sources.py), tokenized through datasets.map with a cache on disk
+(tokenize_cache.py) and held as int32 arrays (examples.py). Alpaca records (instruction, input, output, optional system and history) and
 ShareGPT conversations (user/assistant turns, function_call/observation turns with a tools
 column, optional system) become chat messages, encoded turn by turn as LLaMA-Factory does
 (encode.py) with one of its templates (templates.py) or the tokenizer's own chat template
@@ -68,14 +70,6 @@ def check_datasets(config) -> dict[str, str]:
     registry = load_registry(config.dataset_dir, config.datasets)
     return {name: check_source(registry[name], config.dataset_dir, config.allow_outside_dataset_dir)
             for name in config.datasets}
-
-
-def load_records(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False) -> list[dict]:
-    """The raw records of a registered data set as a list of dicts (num_samples drawn with seed 42,
-    LLaMA-Factory's default; build_examples draws with the config's seed)."""
-    from .sources import load_source, select_records
-    return select_records(load_source(attr, dataset_dir, allow_outside), attr, None,
-                          np.random.RandomState(42)).to_list()
 
 
 _hub_reachable = hub_reachable   # (model_source.py's name for it)
@@ -178,12 +172,6 @@ def pretrain_tokens(tokenizer, text) -> list[int]:
     into cutoff_len blocks: tokenize_cache.to_examples)."""
     eos = tokenizer.eos_token_id
     return tokenizer(_text(text), add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
-
-
-def encode_pretrain(tokenizer, texts: list[str], cutoff_len: int) -> list[Example]:
-    stream = [t for text in texts for t in pretrain_tokens(tokenizer, text)]
-    blocks = [stream[k: k + cutoff_len] for k in range(0, len(stream) - cutoff_len + 1, cutoff_len)]
-    return [Example(b, list(b)) for b in blocks]
 
 
 def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, images=None) \

@@ -1,6 +1,7 @@
 """Tokenization through `datasets.map`, cached on disk, read back as compact `Examples`.
 
-    table, counts = tokenized(config, tokenizer, template, images)
+    table, records = tokenized(config, tokenizer, template, images)   # records: {data set: records}
+    examples, dropped = to_examples(table, config.stage, config.cutoff_len)
 
 Each selected data set is loaded (sources.py), sampled (`num_samples`, `max_samples`),
 tokenized by `datasets.map` over `preprocessing_num_workers` processes (the per-record function
