@@ -54,7 +54,6 @@ def error_line(capsys, *expected: str) -> str:
     (["inspect"], ["required: model"]),
     (["plan", "{cfg}", "--gpu"], ["--gpu: expected one argument", "megatrain plan --help"]),
     (["frobnicate"], ["invalid choice: 'frobnicate'", "megatrain --help"]),
-    ([], ["required"]),
     (["train"], ["required: config"]),
     (["inspect", "{cfg}", "--dtype", "int8"], ["--dtype", "'int8'", "bfloat16"]),
     (["plan", "{cfg}", "--dtype", "float64"], ["--dtype", "float32"]),

@@ -192,6 +192,7 @@ def test_mapped_keys():
     ({"lr_scheduler_kwargs": {"num_cycles": 2}}, "lr_scheduler_type='linear' with lr_scheduler_kwargs"),
     ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "is not supported: it lowers the lr when an evaluation metric"),
     ({"lr_scheduler_type": "cosin"}, "lr_scheduler_type='cosin': use one of linear, cosine"),
+    ({"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {"x": 1}}, "takes no lr_scheduler_kwargs"),
     ({"warmup_steps": -1}, "warmup_steps=-1: must be 0 or more"),
 ])
 def test_values_are_checked_before_the_model_loads(mapping, match):
@@ -254,6 +255,8 @@ def test_warmup_starts_at_zero_and_constant_has_none():
     assert _lrs(schedule.make_scheduler(_sgd(1.0), c, 4), 5) == pytest.approx([0.0, 0.5, 1.0, 0.5, 0.0])
     c = from_mapping({**OK, "learning_rate": 1.0, "warmup_steps": 2, "lr_scheduler_type": "constant"})
     assert _lrs(schedule.make_scheduler(_sgd(1.0), c, 4), 3) == [1.0, 1.0, 1.0]
+    assert c.notes == ["lr_scheduler_type: constant has no warmup (as in Hugging Face and LLaMA-Factory), so "
+                       "warmup_steps/warmup_ratio are not used: use constant_with_warmup for a warmup."]
 
 
 def test_schedule_state_is_json_and_restores_the_position():
@@ -266,9 +269,20 @@ def test_schedule_state_is_json_and_restores_the_position():
     assert _lrs(second, 6) == _lrs(first, 6)
 
 
-def test_trainer_logs_hf_schedule_and_resume_applies_a_new_learning_rate(tiny_dir, tmp_path):  # noqa: F811
-    """The trainer's logged lr (after each step, as HF logs it) is HF's cosine with warmup; a
-    resumed run with another learning_rate continues the same schedule scaled to it."""
+def test_trainer_logs_hugging_faces_schedule(tiny_dir, tmp_path):  # noqa: F811
+    """The trainer's logged lr (after each step, as HF logs it) is HF's cosine with warmup."""
+    from transformers import get_scheduler
+    train_run(config(tiny_dir, tmp_path, lr_scheduler_type="cosine", warmup_steps=0.5, max_steps=4, save_steps=4,
+                     learning_rate=1e-3))
+    hf = _lrs(get_scheduler("cosine", _sgd(1e-3), num_warmup_steps=2, num_training_steps=4), 5)[1:]
+    assert [r["lr"] for r in log_rows(tmp_path / "out")] == pytest.approx(hf, rel=1e-12)
+    assert hf[0] == pytest.approx(5e-4) and hf[-1] == pytest.approx(0.0)
+
+
+@pytest.mark.slow
+def test_trainer_resume_applies_a_new_learning_rate_to_the_schedule(tiny_dir, tmp_path):  # noqa: F811
+    """A resumed run with another learning_rate continues the same (cosine, warmup) schedule
+    scaled to it."""
     from transformers import get_scheduler
     base = dict(lr_scheduler_type="cosine", warmup_steps=2, max_steps=6, save_steps=3, learning_rate=1e-3)
     train_run(config(tiny_dir, tmp_path, **base), stop_at_step=3)

@@ -339,8 +339,8 @@ def from_mapping(mapping: dict[str, Any]) -> TrainConfig:
         else:
             compile_options[key] = value
     config = TrainConfig(**values, megatrain=compile_options)
-    config.notes = sorted_keys.notes
     config.validate()
+    config.notes = sorted_keys.notes + schedule.notes(config)
     return config
 
 

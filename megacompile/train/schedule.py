@@ -49,6 +49,15 @@ def make_scheduler(optimizer: torch.optim.Optimizer, config, total: int) -> torc
                           ". Give only the keyword arguments of that schedule (transformers.get_scheduler).") from None
 
 
+def notes(config) -> list[str]:
+    """What the run should be told about its schedule: `constant` has no warmup in Hugging Face
+    (and LLaMA-Factory), so a warmup given with it does nothing."""
+    if config.lr_scheduler_type == "constant" and (config.warmup_steps or config.warmup_ratio):
+        return ["lr_scheduler_type: constant has no warmup (as in Hugging Face and LLaMA-Factory), so "
+                "warmup_steps/warmup_ratio are not used: use constant_with_warmup for a warmup."]
+    return []
+
+
 def check(config) -> None:
     """Refuse an unknown or step-less scheduler type, and kwargs the schedule does not take,
     before anything loads (the schedule is built once on a throwaway optimizer)."""
@@ -58,6 +67,10 @@ def check(config) -> None:
                           f"{', '.join(SCHEDULERS)}.")
     if name not in SCHEDULERS:
         raise ConfigError(f"lr_scheduler_type={name!r}: use one of {', '.join(SCHEDULERS)}.")
+    if name in ("constant", "constant_with_warmup") and config.lr_scheduler_kwargs:
+        # (transformers.get_scheduler passes them to no function for these two: they would do nothing)
+        raise ConfigError(f"lr_scheduler_type={name!r} takes no lr_scheduler_kwargs (got "
+                          f"{config.lr_scheduler_kwargs!r}): remove them.")
     probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=config.learning_rate)
     # (a long run, so that any warmup fits; the real length is known once the data is read)
     scheduler = make_scheduler(probe, config, total=10_000)
