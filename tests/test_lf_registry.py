@@ -183,7 +183,7 @@ def test_build_examples_follow_the_mixed_records(tmp_path, tok):
 
 # the cache --------------------------------------------------------------------------
 def _entries(cache: Path) -> set[str]:
-    return {p.name for p in (cache / "tokenized").iterdir() if not p.name.startswith(".")}
+    return {p.name for p in (cache / "tokenized").iterdir() if p.is_dir() and not p.name.startswith(".")}
 
 
 def test_cache_hits_misses_and_invalidation(tmp_path, tok, cache, monkeypatch):
@@ -203,7 +203,11 @@ def test_cache_hits_misses_and_invalidation(tmp_path, tok, cache, monkeypatch):
         return fingerprint(examples), bool(calls)
     first, tokenized = build()
     assert tokenized and len(_entries(cache)) == 1
-    assert build() == (first, False)                                   # hit
+    hashed = []
+    real_digest = tokenize_cache._file_digest
+    monkeypatch.setattr(tokenize_cache, "_file_digest",
+                        lambda p: (hashed.append(p) if p.parent == d else None) or real_digest(p))
+    assert build() == (first, False) and not hashed                    # hit; the file's digest remembered
     assert build(learning_rate=1e-3, output_dir="elsewhere", preprocessing_num_workers=1) == (first, False)
     assert build(overwrite_cache=True) == (first, True)                # rebuilt, same key
     assert len(_entries(cache)) == 1
@@ -212,7 +216,7 @@ def test_cache_hits_misses_and_invalidation(tmp_path, tok, cache, monkeypatch):
     records[0]["output"] = "Changed."
     (d / "alpaca_demo.json").write_text(json.dumps(records))
     changed, tokenized = build()                                       # the file's contents
-    assert tokenized and changed != first and len(_entries(cache)) == 3
+    assert tokenized and changed != first and len(_entries(cache)) == 3 and hashed
     other = tok.__class__.from_pretrained(_saved(tok, tmp_path))
     other.chat_template = CHATML.replace("<|im_start|>", "<|im_start|> ")
     calls.clear()
@@ -301,7 +305,7 @@ def test_a_damaged_cache_is_rebuilt_and_a_full_disk_is_one_error(tmp_path, tok, 
     import errno
     c = cfg(EXAMPLES, dataset="alpaca_demo")
     first = fingerprint(build_examples(c, tok)[0])
-    (entry,) = [p for p in (cache / "tokenized").iterdir()]
+    (entry,) = [p for p in (cache / "tokenized").iterdir() if p.is_dir()]
     for arrow in (entry / "data").glob("*.arrow"):
         arrow.write_bytes(b"garbage")
     assert fingerprint(build_examples(c, tok)[0]) == first

@@ -13,7 +13,9 @@ entries, the tokenizer (its vocabulary, merges, special tokens and chat template
 the data options of the config (every key but the training-only ones listed below) and the
 source of the encoding code. A later run with the same key reads the table instead of
 tokenizing; `overwrite_cache: true` rebuilds it. `<cache>` is $MEGATRAIN_CACHE, else
-~/.cache/megatrain. Entries are not evicted: delete the folder to reclaim the space.
+~/.cache/megatrain. Entries are not evicted: delete the folder to reclaim the space. A data
+file's SHA-256 is remembered with its size and mtime (tokenized/file_digests.json), so a large
+corpus is read once for its digest, not at every start.
 
 `tokenized_path` works as in LLaMA-Factory: when it holds a tokenized set (ours, or one saved by
 LLaMA-Factory: a DatasetDict whose "train" split has input_ids and labels), it is loaded and the
@@ -137,8 +139,48 @@ def source_digest(attr: DatasetAttr, config, raw=None) -> str:
     if attr.load_from == "file":
         path = data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir)
         _, files = data_files(path)
-        return hashlib.sha256(json.dumps([[Path(f).name, _file_digest(Path(f))] for f in files]).encode()).hexdigest()
+        known = _known_digests()
+        digests = [[Path(f).name, _data_file_digest(Path(f), known)] for f in files]
+        _remember_digests(known)
+        return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
     return str(getattr(raw, "_fingerprint", None))
+
+
+# a large corpus is hashed once: its SHA-256 is remembered with the file's size and mtime_ns
+# (a rewrite changes the mtime; an edit that keeps both would need overwrite_cache)
+def _digest_book() -> Path:
+    return cache_root() / "tokenized" / "file_digests.json"
+
+
+def _known_digests() -> dict:
+    try:
+        known = json.loads(_digest_book().read_text())
+        return known if isinstance(known, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _data_file_digest(path: Path, known: dict) -> str:
+    st = path.stat()
+    stamp = [st.st_size, st.st_mtime_ns]
+    entry = known.get(str(path.resolve()))
+    if isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3:
+        return entry[2]
+    digest = _file_digest(path)
+    known[str(path.resolve())] = [*stamp, digest]
+    return digest
+
+
+def _remember_digests(known: dict) -> None:
+    """Writes the book in one rename; a run that cannot write it just hashes again next time."""
+    book = _digest_book()
+    try:
+        book.parent.mkdir(parents=True, exist_ok=True)
+        tmp = book.with_name(f".{book.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(known))
+        os.replace(tmp, book)
+    except OSError:
+        pass
 
 
 # build / load -----------------------------------------------------------------------
