@@ -269,11 +269,16 @@ def test_schedule_state_is_json_and_restores_the_position():
     assert _lrs(second, 6) == _lrs(first, 6)
 
 
-def test_trainer_logs_hugging_faces_schedule(tiny_dir, tmp_path):  # noqa: F811
-    """The trainer's logged lr (after each step, as HF logs it) is HF's cosine with warmup."""
+def test_trainer_logs_hugging_faces_schedule(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """The trainer's logged lr (after each step, as HF logs it) is HF's cosine with warmup; the
+    LLaMA-Factory keys it ignores are said once at the start."""
     from transformers import get_scheduler
     train_run(config(tiny_dir, tmp_path, lr_scheduler_type="cosine", warmup_steps=0.5, max_steps=4, save_steps=4,
-                     learning_rate=1e-3))
+                     learning_rate=1e-3, deepspeed="ds_z3_config.json", ddp_timeout=180000000, bf16=False))
+    printed = capsys.readouterr().out
+    assert printed.startswith("[megatrain] LLaMA-Factory keys deepspeed, ddp_timeout: ignored; megatrain trains on one "
+                              "accelerator")
+    assert printed.count("deepspeed") == 1
     hf = _lrs(get_scheduler("cosine", _sgd(1e-3), num_warmup_steps=2, num_training_steps=4), 5)[1:]
     assert [r["lr"] for r in log_rows(tmp_path / "out")] == pytest.approx(hf, rel=1e-12)
     assert hf[0] == pytest.approx(5e-4) and hf[-1] == pytest.approx(0.0)
@@ -358,7 +363,7 @@ def test_version_and_no_arguments(capsys):
 def test_train_help_lists_the_keys_by_group(tmp_path, capsys):
     assert main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    headings = ["\nmodel:", "\ndata:", "\nevaluation:", "\ntraining:", "\noutput:", "\nmegatrain options"]
+    headings = ["\nmodel:", "\ndata:", "\ntraining:", "\nevaluation:", "\noutput:", "\nmegatrain options"]
     assert [out.index(h) for h in headings] == sorted(out.index(h) for h in headings)
     for f in dataclasses.fields(TrainConfig):
         if f.name != "megatrain":

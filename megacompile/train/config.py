@@ -56,7 +56,7 @@ def _key(group: str, default: Any, help: str) -> Any:
     return field(default=default, metadata={"group": group, "help": help})
 
 
-GROUPS = ("model", "data", "evaluation", "training", "output")
+GROUPS = ("model", "data", "training", "evaluation", "output")
 
 
 @dataclass
