@@ -37,7 +37,6 @@ def prepare_tokenizer(template: Template, tokenizer) -> list[str]:
     missing pad token becomes EOS, and the other stop words are added as special tokens.
     Returns the tokens that were new to the vocabulary (their ids follow the old ones)."""
     before = len(tokenizer)
-    names_before = set(tokenizer.get_vocab())
     stop_words = list(template.stop_words)
     if template.replace_eos:
         if tokenizer.eos_token != stop_words[0]:
@@ -53,9 +52,7 @@ def prepare_tokenizer(template: Template, tokenizer) -> list[str]:
                                          replace_additional_special_tokens=False)
         except TypeError:   # tokenizers without the keyword keep the old ones anyway
             tokenizer.add_special_tokens({"additional_special_tokens": stop_words})
-    if len(tokenizer) == before:
-        return []
-    return [t for t in tokenizer.get_vocab() if t not in names_before]
+    return tokenizer.convert_ids_to_tokens(list(range(before, len(tokenizer))))   # added tokens come last
 
 
 def _ids(tokenizer, elements: list) -> list[int]:

@@ -33,6 +33,16 @@ TEMPLATES = ["default", "empty", "alpaca", "vicuna", "llava", "chatml", "qwen", 
              "gpt_oss", "zephyr", "olmo", "granite3", "falcon"]
 LLAMA3_TOOLS = {"llama3", "llama4"}
 DATASETS = ["alpaca_en_demo", "identity", "sharegpt_multiturn", "glaive_toolcall_en_demo"]
+# a chat_template shaped like Qwen3's: old thoughts dropped from the history, an empty thought block
+# before the last reply, a generation prompt ending in "\n" (LLaMA-Factory parses it as a reasoning
+# template)
+QWEN3_LIKE = (
+    "{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' %}"
+    "{% if '</think>' in c %}{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}"
+    "{% if loop.last %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + c + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + c + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def cases() -> list[dict]:
@@ -40,6 +50,9 @@ def cases() -> list[dict]:
     out = [dict(template=t, datasets=[d for d in DATASETS if not (t in LLAMA3_TOOLS and d.startswith("glaive"))])
            for t in TEMPLATES]
     out.append(dict(template=None, datasets=DATASETS))   # the tokenizer's own chat_template (parse_template)
+    out.append(dict(template=None, chat_template=QWEN3_LIKE, datasets=["sharegpt_multiturn", "alpaca_en_demo"]))
+    out.append(dict(template=None, chat_template=QWEN3_LIKE, datasets=["sharegpt_multiturn"], enable_thinking=False,
+                    mask_history=True))
     for t in ["qwen", "qwen3", "llama3", "gemma2", "glm4", "mistral", "gpt_oss", "default"]:
         data = ["sharegpt_multiturn", "alpaca_en_demo"]
         if t not in ("gemma2", "glm4", "gpt_oss"):   # efficient_eos: train_on_prompt is refused
@@ -67,9 +80,11 @@ def run_case(case: dict, records: dict, tokenizer_dir: str) -> dict:
     from llamafactory.data.processor.supervised import SupervisedDatasetProcessor
     from llamafactory.hparams import DataArguments
 
-    options = {k: v for k, v in case.items() if k not in ("template", "datasets")}
+    options = {k: v for k, v in case.items() if k not in ("template", "datasets", "chat_template")}
     args = DataArguments(template=case["template"], **options)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if case.get("chat_template"):
+        tokenizer.chat_template = case["chat_template"]
     saved = copy.deepcopy(lf_template.TEMPLATES)   # get_template_and_fix_tokenizer edits the template in place
     try:
         template = lf_template.get_template_and_fix_tokenizer(tokenizer, args)
