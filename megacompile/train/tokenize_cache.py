@@ -44,7 +44,8 @@ TRAINING_ONLY = {
     "preprocessing_num_workers", "tokenized_path", "overwrite_cache", "do_eval", "val_size", "eval_dataset",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "per_device_train_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
-    "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "warmup_ratio", "warmup_steps",
+    "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio",
+    "warmup_steps",
     "max_consecutive_skipped_steps", "overlap_optimizer", "output_dir", "logging_steps", "save_steps",
     "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain",
 }
