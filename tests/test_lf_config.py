@@ -194,6 +194,7 @@ def test_mapped_keys():
     ({"lr_scheduler_type": "cosin"}, "lr_scheduler_type='cosin': use one of linear, cosine"),
     ({"lr_scheduler_type": "constant", "lr_scheduler_kwargs": {"x": 1}}, "takes no lr_scheduler_kwargs"),
     ({"warmup_steps": -1}, "warmup_steps=-1: must be 0 or more"),
+    ({"warmup_steps": 5, "warmup_ratio": 0.1}, "warmup_ratio=0.1 and warmup_steps=5: set one of them"),
 ])
 def test_values_are_checked_before_the_model_loads(mapping, match):
     with pytest.raises(ConfigError, match=match):

@@ -121,9 +121,9 @@ class TrainConfig:
                                                         + ", ".join(schedule.SCHEDULERS))
     lr_scheduler_kwargs: dict = _key("training", {}, "the schedule's own arguments, e.g. {min_lr_rate: 0.1} for "
                                                      "cosine_with_min_lr")
-    warmup_ratio: float = _key("training", 0.0, "warmup as a fraction of the steps (when warmup_steps is 0)")
-    warmup_steps: int | float = _key("training", 0, "warmup steps (a number < 1: a fraction of the steps); > 0 "
-                                                    "overrides warmup_ratio")
+    warmup_ratio: float = _key("training", 0.0, "warmup as a fraction of the steps")
+    warmup_steps: int | float = _key("training", 0, "warmup steps (a number < 1: a fraction of the steps), instead "
+                                                    "of warmup_ratio")
     seed: int = _key("training", 42, "seed of the sample order and of every random generator")
     # a run diverging: skipping more steps would train nothing
     max_consecutive_skipped_steps: int = _key("training", 10, "stop (exit 4) after this many steps in a row with a "
@@ -182,6 +182,11 @@ class TrainConfig:
         need(self.adam_epsilon > 0, f"adam_epsilon={self.adam_epsilon}: must be positive (e.g. 1e-8).")
         need(self.max_grad_norm >= 0, f"max_grad_norm={self.max_grad_norm}: must be 0 (no clipping) or more.")
         need(0 <= self.warmup_ratio < 1, f"warmup_ratio={self.warmup_ratio}: must be in [0, 1).")
+        # (transformers 5.0-5.1, LLaMA-Factory's, let warmup_ratio replace warmup_steps; later ones have no
+        # warmup_ratio: which one a config means is not clear)
+        need(not (self.warmup_ratio and self.warmup_steps),
+             f"warmup_ratio={self.warmup_ratio} and warmup_steps={self.warmup_steps}: set one of them (warmup_steps "
+             "below 1 is a fraction too).")
         need(self.warmup_steps >= 0, f"warmup_steps={self.warmup_steps}: must be 0 or more (a number < 1 is a "
                                      "fraction of the steps).")
         need(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1, "adam_beta1/adam_beta2 must be in [0, 1).")

@@ -31,7 +31,8 @@ REFUSED = {
 def warmup_steps(config, total: int) -> int:
     """Warmup steps as Hugging Face counts them (TrainingArguments.get_warmup_steps): warmup_steps
     >= 1 is a number of steps, a fraction below 1 is ceil(fraction * total); LLaMA-Factory's
-    warmup_ratio is the fraction when warmup_steps is 0 (transformers 5 folds it into warmup_steps)."""
+    warmup_ratio is such a fraction (transformers 5.0-5.1 fold it into warmup_steps; the config
+    refuses both at once)."""
     steps = config.warmup_steps or config.warmup_ratio
     return int(steps) if steps >= 1 else math.ceil(total * steps)
 
