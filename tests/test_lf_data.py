@@ -171,8 +171,13 @@ def test_a_template_that_adds_tokens_the_model_lacks_is_refused(smollm2_tokenize
     before = len(tok)
     enc = make_encoder(tok, "llama3")
     assert len(tok) == before + 2 and enc.new_from == before
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
     with pytest.raises(DataError, match=r"template llama3 puts .*<\|eot_id\|>.*template of the model's family"):
-        enc.encode(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}], 64)
+        enc.encode(tok, chat, 64)
+    again = make_encoder(tok, "llama3")   # a second build (the eval set) on the fixed tokenizer refuses too
+    assert len(tok) == before + 2 and again.new_from == before
+    with pytest.raises(DataError, match="template llama3 puts"):
+        again.encode(tok, chat, 64)
 
 
 def test_malformed_conversations_are_skipped_and_counted(smollm2_tokenizer_or_tiny, tmp_path):

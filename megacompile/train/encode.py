@@ -298,6 +298,10 @@ def make_encoder(tokenizer, template: str | None, default_system: str | None = N
     if train_on_prompt and t.efficient_eos:
         raise DataError(f"template {t.name} has efficient_eos and cannot train on the prompt (LLaMA-Factory "
                         "refuses it too): set train_on_prompt: false.")
-    before = len(tokenizer)
-    added = prepare_tokenizer(t, tokenizer)
-    return ChatEncoder(t, marked, before if added else None, tuple(added))
+    # the vocabulary before any template touched this tokenizer: a second encoder (the eval set's)
+    # must still know which tokens the model lacks
+    base = getattr(tokenizer, "megatrain_base_vocab", None) or len(tokenizer)
+    tokenizer.megatrain_base_vocab = base
+    prepare_tokenizer(t, tokenizer)
+    added = tuple(tokenizer.convert_ids_to_tokens(list(range(base, len(tokenizer)))))
+    return ChatEncoder(t, marked, base if added else None, added)

@@ -182,7 +182,8 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         say(f"[megatrain] data set {name}: {where} ({counts['records'][name]} records)")
     packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
     cut = (f", {counts['dropped_images']} dropped: cutoff_len cut into an image" if "dropped_images" in counts
-           else "")
+           else "") + (f", {counts['malformed']} skipped: turns that do not alternate or end on a prompt"
+                       if counts.get("malformed") else "")
     say(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples ({counts['dropped']} dropped: "
         f"no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, [[not trained]]:\n"
         f"{show_example(source.tokenizer, examples[0])}")
