@@ -260,3 +260,13 @@ def test_a_template_that_rewrites_history_encodes_multi_turn(smollm2_tokenizer_o
     assert len(ex.input_ids) == len(ex.labels)
     chatml = encode_chat(tok, CHATML, msgs[:2], 256)
     assert tok.decode(chatml.input_ids).startswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_data_of_only_malformed_conversations_says_so(smollm2_tokenizer_or_tiny, tmp_path):
+    rows = [{"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}]
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({"bad": {"file_name": "d.json", "formatting": "sharegpt"}}))
+    cfg = from_mapping(dict(model_name_or_path="m", dataset="bad", dataset_dir=str(tmp_path), output_dir="o",
+                            template="chatml"))
+    with pytest.raises(DataError, match="no training examples.*1 skipped because their turns do not alternate"):
+        build_examples(cfg, copy.deepcopy(smollm2_tokenizer_or_tiny))
