@@ -337,6 +337,9 @@ def test_wandb_reporter_logs_scalars_offline(monkeypatch, tmp_path):
     assert calls[0][0] == "init" and calls[0][1]["name"] == "run1" and calls[0][1]["dir"] == str(tmp_path)
     assert calls[1] == ("log", {"train/loss": 1.5, "train/lr": 1e-4, "train/skipped_steps": 0}, 3)
     assert calls[2] == ("finish",)
+    named = from_mapping({**OK, "report_to": ["wandb"], "run_name": "sft-1"})
+    report.open_reporter(named).start(tmp_path, named)
+    assert calls[3][0] == "init" and calls[3][1]["name"] == "sft-1"
 
 
 def test_missing_tracker_package_is_a_config_error_before_the_model_loads(monkeypatch, tmp_path, capsys):

@@ -142,6 +142,7 @@ class TrainConfig:
     overwrite_output_dir: bool = _key("output", False, "delete a previous run in output_dir")
     report_to: str | list = _key("output", "jsonl", "trackers besides the JSONL log: none, jsonl, tensorboard, "
                                                     "wandb, all, or a list")
+    run_name: str | None = _key("output", None, "the run's name in wandb (none: output_dir's folder name)")
     # megatrain compile options (megacompile.options.Options), flattened
     megatrain: dict = field(default_factory=dict)
     #: one line per LLaMA-Factory key megatrain accepts and ignores (lf_keys.py), said at the start of a run

@@ -58,7 +58,7 @@ NOTED: dict[str, str] = {
                      "save_safetensors"), _CHECKPOINT),
     **dict.fromkeys(("log_level", "logging_first_step", "logging_dir", "include_num_input_tokens_seen",
                      "include_tokens_per_second", "include_effective_tokens_per_second", "disable_tqdm",
-                     "print_param_status", "skip_memory_metrics", "debug", "run_name", "project",
+                     "print_param_status", "skip_memory_metrics", "debug", "project",
                      "trackio_space_id", "trackio_bucket_id", "trackio_static_space_id"), _LOGGING),
     "logging_nan_inf_filter": "a step with a non-finite loss or gradient norm is skipped and counted (skipped_steps)",
     "plot_loss": "the loss plot output_dir/training_loss.png is always drawn",

@@ -69,15 +69,15 @@ class Reporter:
         return list(self._classes)
 
     def start(self, out: Path, config) -> None:
-        """Open the trackers: TensorBoard events in out/runs; a wandb run named after output_dir
-        (WANDB_MODE=offline keeps it on this machine, under out/wandb)."""
+        """Open the trackers: TensorBoard events in out/runs; a wandb run named run_name (or after
+        output_dir), kept on this machine under out/wandb with WANDB_MODE=offline."""
         if "tensorboard" in self._classes:
             self._open["tensorboard"] = self._classes["tensorboard"](str(out / "runs"))
         if "wandb" in self._classes:
             wandb = self._classes["wandb"]
             # (WANDB_PROJECT and the other WANDB_* variables are read by wandb itself, as with HF)
             self._open["wandb"] = wandb.init(project=os.environ.get("WANDB_PROJECT", "megatrain"),
-                                             name=Path(config.output_dir).name, dir=str(out),
+                                             name=config.run_name or Path(config.output_dir).name, dir=str(out),
                                              config=config.to_dict())
 
     def log(self, scalars: dict, step: int, prefix: str = "train") -> None:
