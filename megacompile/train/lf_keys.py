@@ -104,8 +104,10 @@ NOTED: dict[str, str] = {
                      "eaft_alpha", "quantization_method", "quantization_type", "double_quantization",
                      "init_special_tokens", "fp8_backend", "fp8_enable_fsdp_float8_all_gather",
                      "kt_weight_path", "kt_expert_checkpoint_path", "kt_use_lora_experts", "kt_lora_expert_num",
-                     "kt_lora_expert_intermediate_size", "video_max_pixels", "video_min_pixels", "video_fps",
-                     "video_maxlen", "use_audio_in_video", "audio_sampling_rate"), _METHOD_OFF),
+                     "kt_lora_expert_intermediate_size"), _METHOD_OFF),
+    **dict.fromkeys(("video_max_pixels", "video_min_pixels", "video_fps", "video_maxlen", "use_audio_in_video",
+                     "audio_sampling_rate"), "megatrain trains on text and images (a data set with videos or audios "
+                                             "is refused)"),
 }
 
 
