@@ -70,9 +70,12 @@ def test_every_case_equals_llamafactory(smollm2_tokenizer):
             fixed[key] = copy.deepcopy(smollm2_tokenizer)
             fixed[key].chat_template = case.get("chat_template") or smollm2_tokenizer.chat_template
         tok = fixed[key]
+        own = tok.chat_template
         encoder = make_encoder(tok, case["template"], **{k: case[k] for k in OPTIONS if k in case})
         where = f"template={case['template']} ({options(case)})"
         assert (len(tok), tok.eos_token) == (case["vocab_size"], case["eos_token"]), where
+        assert tok.chat_template == case.get("chat_template_after", own), where   # what an export would carry
+        tok.chat_template = own
         for name, results in case["results"].items():
             for i, (record, want) in enumerate(zip(RECORDS[name]["records"], results)):
                 msgs = messages_of(name, record)

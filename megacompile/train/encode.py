@@ -303,5 +303,11 @@ def make_encoder(tokenizer, template: str | None, default_system: str | None = N
     base = getattr(tokenizer, "megatrain_base_vocab", None) or len(tokenizer)
     tokenizer.megatrain_base_vocab = base
     prepare_tokenizer(t, tokenizer)
+    if template is not None and (getattr(tokenizer, "chat_template", None) is None or t.replace_jinja):
+        # as LLaMA-Factory: the exported tokenizer renders like the template it was trained with
+        from .jinja_template import template_as_jinja
+        jinja = template_as_jinja(t, tokenizer)
+        if jinja is not None:
+            tokenizer.chat_template = jinja
     added = tuple(tokenizer.convert_ids_to_tokens(list(range(base, len(tokenizer)))))
     return ChatEncoder(t, marked, base if added else None, added)

@@ -96,3 +96,54 @@ def encode_marked(tokenizer, chat_template: str, messages: list[dict], cutoff_le
         mask = [m if starts and i >= starts[-1] else 0 for i, m in enumerate(mask)]
     labels = list(ids) if train_on_prompt else [t if m else IGNORE for t, m in zip(ids, mask)]
     return ids[:cutoff_len], labels[:cutoff_len]
+
+
+def _jinja_text(text: str) -> str:
+    """`text` as a single-quoted Jinja string literal (LLaMA-Factory escapes only the quote)."""
+    return "'" + text.replace("'", "\\'") + "'"
+
+
+def _jinja_slots(slots: tuple, tokenizer, placeholder: str = "content") -> str | None:
+    """A Jinja expression concatenating the slots, the message as `placeholder`; None when a
+    slot is a token by name, which a Jinja template cannot express."""
+    from .templates import BOS, EOS, Token
+    parts = []
+    for slot in slots:
+        if isinstance(slot, Token):
+            return None
+        if isinstance(slot, str):
+            before, *after = slot.split(CONTENT)
+            parts += [_jinja_text(before)] if before else []
+            if after:
+                parts.append(placeholder)
+                parts += [_jinja_text(after[0])] if after[0] else []
+        elif slot == BOS and tokenizer.bos_token_id is not None:   # the token itself: {{ eos_token }} may differ
+            parts.append("'" + tokenizer.bos_token + "'")
+        elif slot == EOS and tokenizer.eos_token_id is not None:
+            parts.append("'" + tokenizer.eos_token + "'")
+    return " + ".join(parts)
+
+
+def template_as_jinja(template: Template, tokenizer) -> str | None:
+    """The chat_template LLaMA-Factory writes into the tokenizer for a named template (its
+    fix_jinja_template): system, user and assistant turns only, the default system prompt set
+    first. None when the template cannot be written as Jinja (a token-by-name slot)."""
+    pieces = [_jinja_slots(template.prefix, tokenizer), _jinja_slots(template.system, tokenizer, "system_message"),
+              _jinja_slots(template.user, tokenizer), _jinja_slots(template.assistant, tokenizer)]
+    if any(p is None for p in pieces):
+        return None
+    prefix, system, user, assistant = pieces
+    out = "{{ " + prefix + " }}" if prefix else ""
+    if template.default_system:
+        out += "{% set system_message = " + _jinja_text(template.default_system) + " %}"
+    out += ("{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+            "{% set system_message = messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% endif %}")
+    if template.system_in_user:   # the system text glued to the first user message
+        out += ("{% for message in loop_messages %}{% if loop.index0 == 0 and system_message is defined %}"
+                "{% set content = " + system + " + message['content'] %}"
+                "{% else %}{% set content = message['content'] %}{% endif %}")
+    else:
+        out += ("{% if system_message is defined %}{{ " + system + " }}{% endif %}"
+                "{% for message in loop_messages %}{% set content = message['content'] %}")
+    return out + ("{% if message['role'] == 'user' %}{{ " + user + " }}"
+                  "{% elif message['role'] == 'assistant' %}{{ " + assistant + " }}{% endif %}{% endfor %}")

@@ -68,6 +68,7 @@ class Template:
     reasoning: bool = False
     enable_thinking: bool = True
     tools_slot: tuple | None = None    # phi4_mini: the tool text in its own slot, not a tool format
+    replace_jinja: bool = False        # the tokenizer's chat_template is replaced by this template's
 
     def configured(self, default_system: str | None = None, tool_format: str | None = None,
                    enable_thinking: bool = True) -> "Template":
@@ -119,17 +120,17 @@ _LLAMA3 = dict(
 
 _ALL = [
     _define("default", user=("Human: {{content}}", EOS, "\nAssistant:"), assistant=("{{content}}", EOS, "\n"),
-            system=("System: {{content}}", EOS, "\n")),
+            system=("System: {{content}}", EOS, "\n"), replace_jinja=True),
     _define("empty", assistant=(CONTENT,)),
     _define("alpaca", user=("### Instruction:\n{{content}}\n\n### Response:\n",),
             assistant=("{{content}}", EOS, "\n\n"),
             default_system="Below is an instruction that describes a task. Write a response that appropriately "
-                           "completes the request.\n\n"),
-    _define("vicuna", user=("USER: {{content}} ASSISTANT:",), default_system=_VICUNA_SYSTEM),
+                           "completes the request.\n\n", replace_jinja=True),
+    _define("vicuna", user=("USER: {{content}} ASSISTANT:",), default_system=_VICUNA_SYSTEM, replace_jinja=True),
     _define("llava", user=("USER: {{content}} ASSISTANT:",), default_system=_VICUNA_SYSTEM),
     _define("llava_next", user=("USER: {{content}} ASSISTANT:",), default_system=_VICUNA_SYSTEM),
     _define("chatml", **_IM, observation=("<|im_start|>tool\n{{content}}<|im_end|>\n<|im_start|>assistant\n",),
-            stop_words=("<|im_end|>", "<|im_start|>"), replace_eos=True),
+            stop_words=("<|im_end|>", "<|im_start|>"), replace_eos=True, replace_jinja=True),
     _define("qwen", **_QWEN, default_system="You are Qwen, created by Alibaba Cloud. You are a helpful assistant."),
     _define("qwen2_vl", **_QWEN, default_system="You are a helpful assistant."),
     _define("qwen3", **_QWEN, reasoning=True),

@@ -11,7 +11,9 @@ Run with LLaMA-Factory's interpreter (not a test dependency; the tests read refe
 Every case uses the SmolLM2 tokenizer, whatever the template: LLaMA-Factory's
 get_template_and_fix_tokenizer adds the template's stop words it lacks as new special tokens
 (and may replace EOS), and megatrain's encode.prepare_tokenizer must do the same for the ids to
-match. Each record goes through LLaMA-Factory's own code path: its data set converter
+match. The chat_template LLaMA-Factory writes into the tokenizer (for
+chatml, default, alpaca, vicuna) is stored as "chat_template_after". Each record goes through
+LLaMA-Factory's own code path: its data set converter
 (Alpaca/SharegptDatasetConverter: the role checks that skip malformed conversations) and
 SupervisedDatasetProcessor.preprocess_dataset (template.encode_multiturn and the per-turn
 truncation with infer_seqlen). A record LLaMA-Factory skips is stored as "skipped", one it
@@ -85,6 +87,7 @@ def run_case(case: dict, records: dict, tokenizer_dir: str) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if case.get("chat_template"):
         tokenizer.chat_template = case["chat_template"]
+    own_template = tokenizer.chat_template
     saved = copy.deepcopy(lf_template.TEMPLATES)   # get_template_and_fix_tokenizer edits the template in place
     try:
         template = lf_template.get_template_and_fix_tokenizer(tokenizer, args)
@@ -116,7 +119,8 @@ def run_case(case: dict, records: dict, tokenizer_dir: str) -> dict:
                 else:
                     out.append({"input_ids": enc["input_ids"][0], "labels": enc["labels"][0]})
             results[name] = out
-        return {**case, "eos_token": tokenizer.eos_token, "vocab_size": len(tokenizer), "results": results}
+        fixed = {} if tokenizer.chat_template == own_template else {"chat_template_after": tokenizer.chat_template}
+        return {**case, "eos_token": tokenizer.eos_token, "vocab_size": len(tokenizer), **fixed, "results": results}
     finally:
         lf_template.TEMPLATES.clear()
         lf_template.TEMPLATES.update(saved)
