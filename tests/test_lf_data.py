@@ -273,3 +273,50 @@ def test_data_of_only_malformed_conversations_says_so(smollm2_tokenizer_or_tiny,
                             template="chatml"))
     with pytest.raises(DataError, match="no training examples.*1 skipped because their turns do not alternate"):
         build_examples(cfg, copy.deepcopy(smollm2_tokenizer_or_tiny))
+
+
+@pytest.fixture(scope="module")
+def tiny_chatml_model(tmp_path_factory) -> Path:
+    """A tiny Llama with a ChatML byte-level BPE tokenizer trained on the reference records."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    path = tmp_path_factory.mktemp("tiny_chatml")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([json.dumps(RECORDS)], vocab_size=500, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>")
+    tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def test_cli_trains_on_tool_calls_with_an_lf_template_and_refuses_unknown_names(tiny_chatml_model, tmp_path, capsys):
+    """`megatrain train` with template: qwen on the glaive-style tool data (function_call and
+    observation turns, a tools column) and a malformed multi-turn set: two steps run, the log
+    counts the skipped conversations; an unknown template or tool_format is one error line."""
+    from megacompile.cli import main
+    for name in ("glaive_toolcall_en_demo", "sharegpt_multiturn"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(RECORDS[name]["records"]))
+    (tmp_path / "dataset_info.json").write_text(json.dumps({n: RECORDS[n]["attr"] for n in RECORDS}))
+    base = (f"model_name_or_path: {tiny_chatml_model}\ndataset: glaive_toolcall_en_demo,sharegpt_multiturn\n"
+            f"dataset_dir: {tmp_path}\noutput_dir: {tmp_path / 'out'}\ncutoff_len: 512\nlearning_rate: 1.0e-3\n"
+            "per_device_train_batch_size: 2\nmax_steps: 2\nsave_steps: 2\ndevice: cpu\n")
+    good = tmp_path / "good.yaml"
+    good.write_text(base + "template: qwen\n")
+    assert main(["train", str(good)]) == 0
+    out = capsys.readouterr().out
+    assert "2 skipped: turns that do not alternate or end on a prompt" in out
+    assert "# Tools" in out and '<tool_call>\n{"name": "get_exchange_rate"' in out   # the first example, shown
+    for extra, message in (("template: qwen2.5\n", "template='qwen2.5' is not a LLaMA-Factory template"),
+                           ("template: qwen\ntool_format: hermes\n", "tool_format='hermes'")):
+        bad = tmp_path / "bad.yaml"
+        bad.write_text(base.replace("out\n", "out2\n") + extra)
+        assert main(["train", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("megatrain: error: ") and message in err and err.count("\n") == 1

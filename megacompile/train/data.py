@@ -53,8 +53,11 @@ def check_datasets(config) -> dict[str, str]:
     """Check the configured data sets before anything is loaded: registered, usable by sft/pt,
     their files present inside dataset_dir (or their hub reachable), the mixing options. Returns
     {name: resolved path or hub id} for the log."""
+    from .encode import check_options
     from .sources import MIX_STRATEGIES, check_source, parse_probs
     from .tokenize_cache import _has_data
+    if config.stage == "sft":
+        check_options(config)   # template, tool_format and their combinations: no tokenizer needed
     if config.streaming:
         raise DataError("streaming: true is not supported: a checkpoint's data position is an index into examples "
                         "tokenized in full, which a stream cannot resume exactly. Set streaming: false: the tokens "

@@ -267,6 +267,24 @@ class ChatEncoder:
         return ids, labels
 
 
+def check_options(config) -> None:
+    """The template options a config can get wrong, checked before any model or tokenizer loads:
+    the template name, the tool format, train_on_prompt with mask_history or with an
+    efficient_eos template. (make_encoder checks them again, with the tokenizer.)"""
+    from .templates import get_template
+    from .tool_formats import check_format
+    if config.template is not None:
+        t = get_template(config.template)
+        if config.train_on_prompt and t.efficient_eos:
+            raise DataError(f"template {t.name} has efficient_eos and cannot train on the prompt (LLaMA-Factory "
+                            "refuses it too): set train_on_prompt: false.")
+    if config.tool_format is not None:
+        check_format(config.tool_format)
+    if config.train_on_prompt and config.mask_history:
+        raise DataError("train_on_prompt and mask_history together: one trains on every prompt, the other on the "
+                        "last reply only (LLaMA-Factory refuses the pair too); set one of them to false.")
+
+
 def make_encoder(tokenizer, template: str | None, default_system: str | None = None, tool_format: str | None = None,
                  enable_thinking: bool = True, train_on_prompt: bool = False,
                  mask_history: bool = False) -> ChatEncoder:
