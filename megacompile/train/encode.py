@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .examples import IGNORE
 from .registry import DataError
-from .templates import BOS, CONTENT, EOS, Template, Token
+from .templates import BOS, CONTENT, EOS, Template
 from .tool_formats import describe_tools, format_calls
 
 PROMPT_ROLES = ("user", "observation")
@@ -62,8 +62,6 @@ def _ids(tokenizer, elements: list) -> list[int]:
         if isinstance(e, str):
             if e:
                 ids += tokenizer.encode(e, add_special_tokens=False)
-        elif isinstance(e, Token):
-            ids.append(tokenizer.convert_tokens_to_ids(e.name))
         elif e == BOS and tokenizer.bos_token_id is not None:
             ids.append(tokenizer.bos_token_id)
         elif e == EOS and tokenizer.eos_token_id is not None:
@@ -324,8 +322,6 @@ def make_encoder(tokenizer, template: str | None, default_system: str | None = N
     if template is not None and (getattr(tokenizer, "chat_template", None) is None or t.replace_jinja):
         # as LLaMA-Factory: the exported tokenizer renders like the template it was trained with
         from .jinja_template import template_as_jinja
-        jinja = template_as_jinja(t, tokenizer)
-        if jinja is not None:
-            tokenizer.chat_template = jinja
+        tokenizer.chat_template = template_as_jinja(t, tokenizer)
     added = tuple(tokenizer.convert_ids_to_tokens(list(range(base, len(tokenizer)))))
     return ChatEncoder(t, marked, base if added else None, added)

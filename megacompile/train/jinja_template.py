@@ -103,14 +103,11 @@ def _jinja_text(text: str) -> str:
     return "'" + text.replace("'", "\\'") + "'"
 
 
-def _jinja_slots(slots: tuple, tokenizer, placeholder: str = "content") -> str | None:
-    """A Jinja expression concatenating the slots, the message as `placeholder`; None when a
-    slot is a token by name, which a Jinja template cannot express."""
-    from .templates import BOS, EOS, Token
+def _jinja_slots(slots: tuple, tokenizer, placeholder: str = "content") -> str:
+    """A Jinja expression concatenating the slots, the message as `placeholder`."""
+    from .templates import BOS, EOS
     parts = []
     for slot in slots:
-        if isinstance(slot, Token):
-            return None
         if isinstance(slot, str):
             before, *after = slot.split(CONTENT)
             parts += [_jinja_text(before)] if before else []
@@ -124,15 +121,13 @@ def _jinja_slots(slots: tuple, tokenizer, placeholder: str = "content") -> str |
     return " + ".join(parts)
 
 
-def template_as_jinja(template: Template, tokenizer) -> str | None:
+def template_as_jinja(template: Template, tokenizer) -> str:
     """The chat_template LLaMA-Factory writes into the tokenizer for a named template (its
     fix_jinja_template): system, user and assistant turns only, the default system prompt set
-    first. None when the template cannot be written as Jinja (a token-by-name slot)."""
-    pieces = [_jinja_slots(template.prefix, tokenizer), _jinja_slots(template.system, tokenizer, "system_message"),
-              _jinja_slots(template.user, tokenizer), _jinja_slots(template.assistant, tokenizer)]
-    if any(p is None for p in pieces):
-        return None
-    prefix, system, user, assistant = pieces
+    first."""
+    prefix, system, user, assistant = (
+        _jinja_slots(template.prefix, tokenizer), _jinja_slots(template.system, tokenizer, "system_message"),
+        _jinja_slots(template.user, tokenizer), _jinja_slots(template.assistant, tokenizer))
     out = "{{ " + prefix + " }}" if prefix else ""
     if template.default_system:
         out += "{% set system_message = " + _jinja_text(template.default_system) + " %}"

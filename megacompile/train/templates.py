@@ -1,8 +1,8 @@
 """LLaMA-Factory's chat templates (0.9.5), by LLaMA-Factory's names, as data.
 
 A template is a set of *slots*: the pieces a turn is rendered from. A slot is a string (with a
-``{{content}}`` placeholder where the message goes), :data:`BOS` / :data:`EOS` (the tokenizer's
-BOS / EOS token, skipped when the tokenizer has none) or :class:`Token` (one token by name).
+``{{content}}`` placeholder where the message goes) or :data:`BOS` / :data:`EOS` (the
+tokenizer's BOS / EOS token, skipped when the tokenizer has none).
 encode.py turns slots into token ids the way LLaMA-Factory does: each string piece is tokenized
 on its own, so ``["Human: {{content}}", EOS, "\\nAssistant:"]`` gives three tokenizations.
 
@@ -36,12 +36,6 @@ class Special:
 
 
 BOS, EOS = Special("bos"), Special("eos")
-
-
-@dataclass(frozen=True)
-class Token:
-    """One token by its name (converted with convert_tokens_to_ids, never tokenized)."""
-    name: str
 
 
 @dataclass(frozen=True)
