@@ -97,12 +97,12 @@ def test_val_size_holds_out_the_records_llamafactory_holds_out(tiny_dir, tmp_pat
 # -- evaluation in a run --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def eval_runs(tiny_dir, tmp_path_factory):  # noqa: F811
-    """The same 4-step run (overlapped optimizer: updates pending after each step) with
-    evaluation every 2 steps, and with evaluation switched off."""
+    """The same 4-step run with evaluation every 2 steps, and with evaluation switched off. The
+    optimizer overlaps the backward (and the next forward): updates are pending after each step."""
     root = tmp_path_factory.mktemp("eval")
-    on = config(tiny_dir, root / "on", overlap_optimizer="forward", **EVAL)
+    on = config(tiny_dir, root / "on", overlap_optimizer="backward", **EVAL)
     trainer.train(on, progress=False)
-    off = config(tiny_dir, root / "off", overlap_optimizer="forward", **EVAL)
+    off = config(tiny_dir, root / "off", overlap_optimizer="backward", **EVAL)
     real = Schedule.due
     Schedule.due = lambda self, step: False
     try:
@@ -175,11 +175,16 @@ def test_evaluate_runs_no_backward_and_leaves_the_optimizer(tiny_dir):  # noqa: 
 
 def test_eval_dataset_once_at_the_end(tiny_dir, tmp_path):  # noqa: F811
     from transformers import AutoTokenizer
-    cfg = config(tiny_dir, tmp_path, eval_dataset="sharegpt_demo", do_eval=True, max_steps=2, save_steps=2)
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    cfg = config(tiny_dir, tmp_path, eval_dataset="sharegpt_demo", do_eval=True, max_steps=2, save_steps=2,
+                 report_to="tensorboard")
     trainer.train(cfg, progress=False)
     rows = log_rows(Path(cfg.output_dir))
     evals = [r for r in rows if "eval_loss" in r]
     assert [r["step"] for r in evals] == [2] and math.isfinite(evals[0]["eval_loss"])
+    events = EventAccumulator(str(Path(cfg.output_dir) / "runs")).Reload()
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("eval/loss")] == [(2, evals[0]["eval_loss"])]
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     sharegpt, _ = build_examples(config(tiny_dir, tmp_path, dataset="sharegpt_demo"), tok)
     assert evals[0]["eval_tokens"] == sum(e.trained_tokens for e in sharegpt)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError
-from .data import IGNORE, build_examples, collate
+from .data import IGNORE, DataError, build_examples, collate
 
 STRATEGIES = ("no", "steps", "epoch")
 
@@ -117,7 +117,10 @@ def eval_set(config, tokenizer, images, examples: list, counts: dict) -> EvalSet
         # the eval data sets through the training data's own path; not through a tokenized
         # cache, which holds the training set
         changes = {"dataset": config.eval_dataset, **({"tokenized_path": None} if "tokenized_path" in fields else {})}
-        held, eval_counts = build_examples(dataclasses.replace(config, **changes), tokenizer, images)
+        try:
+            held, eval_counts = build_examples(dataclasses.replace(config, **changes), tokenizer, images)
+        except DataError as e:   # (its messages speak of training data)
+            raise DataError(f"eval_dataset={config.eval_dataset!r}: {e}") from None
         return EvalSet(examples, held, f"evaluation: {len(held)} examples from eval_dataset {config.eval_dataset} "
                                        f"({eval_counts['samples']} samples)")
     return EvalSet(examples, [])
