@@ -14,6 +14,17 @@ from .errors import ConfigError, MegatrainError
 
 #: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_CANNOT_FIT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+EXIT_TERMINATED = 143   # 128 + SIGTERM, as a shell reports a process the signal ended
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (Slurm's preemption and time limit, `kill`, a container stop), raised in the main
+    thread so the run unwinds as on Ctrl-C: a step in flight is discarded, the output_dir lock is
+    released, and the checkpoints already written stay complete."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
 
 
 class UsageError(ConfigError):
@@ -265,7 +276,12 @@ def main(argv=None) -> int:
     (a bug: traceback + one `megatrain: internal error:` line), 2 a user error (one
     `megatrain: error:` line saying what to change), 3 it cannot fit the machine, 4 training
     failed, 130 interrupted."""
+    import signal
+    import threading
     import traceback
+    previous = None
+    if threading.current_thread() is threading.main_thread():   # (signal handlers live in the main thread)
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         parser = build_parser()
         try:
@@ -278,6 +294,10 @@ def main(argv=None) -> int:
         if extras:
             parser.subparser(args.command).unknown(extras)
         return args.func(args)
+    except Terminated:
+        print("megatrain: terminated (SIGTERM); the checkpoints written so far are complete: continue with "
+              "resume_from_checkpoint: true", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("megatrain: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -293,6 +313,9 @@ def main(argv=None) -> int:
         print(f"megatrain: internal error: {_one_line(f'{type(e).__name__}: {e}')[:500]} -- this is a bug in "
               "megatrain: please report it with the command line and the traceback above.", file=sys.stderr)
         return EXIT_INTERNAL
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -441,3 +441,40 @@ def test_config_loading_rejects_bad_yaml_shapes(tmp_path):
     path.write_text("model_name_or_path: m\ntrue: 1\n")
     with pytest.raises(ConfigError, match="config key True"):
         load_config(path)
+
+
+# -- beyond the issue's list ----------------------------------------------------------------------
+
+def test_a_config_key_given_twice_and_a_non_utf8_config_are_refused(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model_name_or_path: m\ndataset: d\noutput_dir: a\noutput_dir: b\n")
+    assert main(["train", str(path)]) == 2
+    assert "config key 'output_dir' is given twice (line 4)" in one_error_line(capsys)
+    path.write_bytes(b"model_name_or_path: \xff\xfe\n")
+    assert main(["train", str(path)]) == 2
+    assert "is not UTF-8 text" in one_error_line(capsys)
+
+
+def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tiny_dir, tmp_path):  # noqa: F811
+    """Slurm's preemption or time limit sends SIGTERM: the run stops with exit 143 and one line,
+    releases output_dir, and its checkpoints resume."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    cfg = yaml_config(tmp_path, tiny_dir, max_steps=400, save_steps=2, per_device_train_batch_size=1)
+    child = subprocess.Popen([sys.executable, "-m", "megacompile.cli", "train", str(cfg), "--no-progress"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out, deadline = tmp_path / "out", time.time() + 300
+    while not checkpoint.checkpoints(out) and child.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    child.send_signal(signal.SIGTERM)
+    err = child.communicate(timeout=120)[1].decode()
+    assert child.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("megatrain: terminated (SIGTERM)") and "Traceback" not in err
+    lock = RunLock(out)
+    lock.acquire()   # released: a second run may take the folder
+    lock.release()
+    done = checkpoint.checkpoints(out)[-1]
+    assert main(["train", str(cfg), "--no-progress", "resume_from_checkpoint=true",
+                 f"max_steps={checkpoint.step_of(done) + 1}"]) == 0

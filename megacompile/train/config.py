@@ -363,6 +363,22 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return out
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping (plain YAML keeps the
+    last one silently: two `output_dir:` lines would train into the second folder)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"config key {key!r} is given twice (line {key_node.start_mark.line + 1}): "
+                                  "keep one of them.")
+            if isinstance(key, (str, int, float, bool)):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
     mapping: dict[str, Any] = {}
     if path is not None:
@@ -370,7 +386,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist.")
         try:
-            mapping = yaml.safe_load(path.read_text()) or {}
+            mapping = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}): save it as UTF-8 YAML.") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"{path} is not valid YAML: {e}") from None
         if not isinstance(mapping, dict):

@@ -144,13 +144,20 @@ def _exported(out: Path) -> list[str]:
     return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
 
 
+#: written into output_dir by report_to's trackers (report.py)
+TRACKER_DIRS = ("runs", "wandb")
+
+
 def _run_files(out: Path) -> list[Path]:
     """What in `out` belongs to a megatrain run."""
     if not out.is_dir():
         return []
     exported = set(_exported(out))
+    # the trackers' folders (report_to: tensorboard, wandb) are the run's only next to its log: a
+    # `runs/` of some other tool's output folder is not ours to delete
+    trackers = TRACKER_DIRS if (out / LOG_NAME).exists() else ()
     return [p for p in out.iterdir() if _RUN_FILE.match(p.name) or p.name in exported
-            or p.name in (LOG_NAME, RETIRED, EXPORT_MANIFEST, "training_loss.png")]
+            or p.name in (LOG_NAME, RETIRED, EXPORT_MANIFEST, "training_loss.png", *trackers)]
 
 
 def read_log(path: Path) -> tuple[list[dict], int]:
@@ -296,7 +303,10 @@ class RunDir:
             runs = out / "runs"   # the old run's TensorBoard events (only if that is all it holds)
             events = runs.is_dir() and all(f.name.startswith("events.out.tfevents") for f in runs.rglob("*")
                                            if f.is_file())
-            for p in _run_files(out) + ([runs] if events else []):
+            # (tracker folders go only when they hold nothing but TensorBoard events; an old wandb/
+            # stays: the new run adds its own run folder to it)
+            ours = [p for p in _run_files(out) if p.name not in TRACKER_DIRS]
+            for p in ours + ([runs] if events else []):
                 if p.name == RETIRED or not p.exists():
                     continue
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
