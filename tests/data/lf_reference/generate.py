@@ -52,6 +52,8 @@ def cases() -> list[dict]:
     out = [dict(template=t, datasets=[d for d in DATASETS if not (t in LLAMA3_TOOLS and d.startswith("glaive"))])
            for t in TEMPLATES]
     out.append(dict(template=None, datasets=DATASETS))   # the tokenizer's own chat_template (parse_template)
+    out.append(dict(template=None, datasets=["alpaca_en_demo"], default_system="Custom system prompt.",
+                    cutoff_len=30))
     out.append(dict(template=None, chat_template=QWEN3_LIKE, datasets=["sharegpt_multiturn", "alpaca_en_demo"]))
     out.append(dict(template=None, chat_template=QWEN3_LIKE, datasets=["sharegpt_multiturn"], enable_thinking=False,
                     mask_history=True))
