@@ -320,3 +320,17 @@ def test_cli_trains_on_tool_calls_with_an_lf_template_and_refuses_unknown_names(
         assert main(["train", str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("megatrain: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_chat_template_that_cannot_be_cut_into_turns_says_so(smollm2_tokenizer_or_tiny):
+    """Gemma-style templates raise on a system message; one that rewrites the user's text has no
+    place for it: both are DataErrors asking for a named template (LLaMA-Factory crashes)."""
+    tok = copy.deepcopy(smollm2_tokenizer_or_tiny)
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                         "{{ raise_exception('System role not supported') }}{% endif %}"
+                         "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
+    with pytest.raises(DataError, match="cannot render a system conversation .*System role not supported.*set template"):
+        make_encoder(tok, None)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] | upper }}{% endfor %}"
+    with pytest.raises(DataError, match="cannot be cut into turns; set template"):
+        make_encoder(tok, None)

@@ -19,6 +19,7 @@ EOS that is trained.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -86,7 +87,7 @@ def _system_text(template: Template, system: str, tools) -> str:
     if not tools:
         return system
     if template.tools_slot is not None:   # phi4_mini: the raw tools text in <|tool|> markers
-        return system + _fill(template.tools_slot, tools if isinstance(tools, str) else str(tools))[0]
+        return system + _fill(template.tools_slot, tools if isinstance(tools, str) else json.dumps(tools))[0]
     return system + describe_tools(tools, template.tool_format)
 
 
