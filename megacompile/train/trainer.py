@@ -3,12 +3,14 @@
     config (checked) -> output_dir (locked, checked: run_dir.py) -> the resumed checkpoint (read,
            compared with the config: resume.py) -> data sets (registered, inside dataset_dir)
            -> model source (folder / Hub id, tokenizer; model_source.py) -> preflight on the meta
-           model (host RAM, device plan: preflight.py) -> examples (one printed; fingerprinted)
+           model (host RAM, device plan: preflight.py) -> examples (one printed; the eval set held
+              out or built: evaluate.py; fingerprinted)
            -> weights loaded -> torch.compile(model, backend="megatrain") -> HostAdamW on fp32
               masters + LR schedule -> the old run's files deleted / a resumed branch's retired
            -> steps: accumulate micro-batches (loss normalised by the step's trained tokens),
               clip, skip non-finite steps (stop after max_consecutive_skipped_steps in a row),
-              check the updated weights are finite, log (tqdm, JSONL, TensorBoard), checkpoint
+              check the updated weights are finite, log (tqdm, JSONL with TFLOP/s and MFU: flops.py,
+              trackers), evaluate when due (no-grad eval loss: evaluate.py), checkpoint (an HF folder)
            -> HF model folder in output_dir (+ loss plot); a run that trained nothing fails
 """
 from __future__ import annotations
