@@ -51,12 +51,13 @@ class FlopCounter:
             share = routed if ".experts." in name and "shared" not in name else 1.0
             n += p.numel() * share
         self.dense_params = n
-        heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        heads = getattr(cfg, "num_attention_heads", None) or 0   # (a model without attention: dense FLOPs only)
+        head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else 0)
         self.d_attn = heads * head_dim
-        layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers)
+        layers = getattr(cfg, "num_hidden_layers", None) or 0
+        layer_types = list(getattr(cfg, "layer_types", None) or ["full_attention"] * layers)
         # the layers actually built (num_layers keeps the first N)
-        layer_types = layer_types[: cfg.num_hidden_layers]
+        layer_types = layer_types[:layers]
         self.windows = [getattr(cfg, "sliding_window", None) if t == "sliding_attention" else None
                         for t in layer_types if not any(k in t for k in _LINEAR_LAYERS)]
 
