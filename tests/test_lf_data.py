@@ -133,7 +133,8 @@ def test_option_errors_are_data_errors_naming_the_fix(smollm2_tokenizer_or_tiny)
     tok = smollm2_tokenizer_or_tiny
     with pytest.raises(DataError, match=r"template='qwen2\.5'.*use one of .*qwen3_nothink"):
         make_encoder(copy.deepcopy(tok), "qwen2.5")
-    with pytest.raises(DataError, match="tool_format='hermes'.*default, glm4, llama3, mistral, qwen"):
+    with pytest.raises(DataError, match="tool_format='hermes'.*default, glm4, glm4_moe, llama3, mistral, qwen, "
+                                        "qwen3_5 tool"):
         make_encoder(copy.deepcopy(tok), "qwen", tool_format="hermes")
     with pytest.raises(DataError, match="efficient_eos.*train_on_prompt: false"):
         make_encoder(copy.deepcopy(tok), "gemma2", train_on_prompt=True)
@@ -329,7 +330,8 @@ def test_a_chat_template_that_cannot_be_cut_into_turns_says_so(smollm2_tokenizer
     tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
                          "{{ raise_exception('System role not supported') }}{% endif %}"
                          "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}")
-    with pytest.raises(DataError, match="cannot render a system conversation .*System role not supported.*set template"):
+    with pytest.raises(DataError, match="cannot render a system conversation .*System role not supported.*set "
+                                        "template"):
         make_encoder(tok, None)
     tok.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] | upper }}{% endfor %}"
     with pytest.raises(DataError, match="cannot be cut into turns; set template"):

@@ -226,7 +226,8 @@ def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples,
                         + (f", {counts['dropped_images']} because it cut into an image" if "dropped_images" in counts
                            else "")
                         + (f", {counts['malformed']} skipped because their turns do not alternate user/assistant "
-                           "or end on a prompt (check the tags in dataset_info.json)" if counts.get("malformed") else "")
+                           "or end on a prompt (check the tags in dataset_info.json)" if counts.get("malformed")
+                           else "")
                         + (f" (stage pt: fewer than cutoff_len={config.cutoff_len} tokens of text)"
                            if config.stage == "pt" else "") + ".")
     if config.packing and config.stage == "sft":   # (pt text is already concatenated into blocks)

@@ -45,7 +45,32 @@ _QWEN_PROMPT = (
     """<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, """
     """"arguments": <args-json-object>}}\n</tool_call>"""
 )
-FORMATS = ("default", "glm4", "llama3", "mistral", "qwen")
+_QWEN35_PROMPT = (
+    "\n\n# Tools\n\nYou have access to the following functions:\n\n<tools>{tool_text}"
+    "\n</tools>\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n"
+    "<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n"
+    "<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n"
+    "</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n"
+    "- Function calls MUST follow the specified format: "
+    "an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n"
+    "- Required parameters MUST be specified\n"
+    "- You may provide optional reasoning for your function call in natural language "
+    "BEFORE the function call, but NOT after\n"
+    "- If there is no function call available, answer the question like normal with your current knowledge "
+    "and do not tell the user about function calls\n</IMPORTANT>"
+)
+_GLM4_MOE_PROMPT = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>{tool_text}"
+    "\n</tools>\n\nFor each function call, output the function name and arguments within the following XML format:"
+    "\n<tool_call>{{function-name}}"
+    "\n<arg_key>{{arg-key-1}}</arg_key>"
+    "\n<arg_value>{{arg-value-1}}</arg_value>"
+    "\n<arg_key>{{arg-key-2}}</arg_key>"
+    "\n<arg_value>{{arg-value-2}}</arg_value>"
+    "\n...\n</tool_call>\n"
+)
+FORMATS = ("default", "glm4", "glm4_moe", "llama3", "mistral", "qwen", "qwen3_5")
 
 
 def _dumps(value, indent=None) -> str:
@@ -98,8 +123,18 @@ def _qwen_tools(tools: list[dict]) -> str:
     return _QWEN_PROMPT.format(tool_text="".join("\n" + _dumps(_wrapped(t)) for t in tools))
 
 
-_TOOLS = {"default": _default_tools, "glm4": _glm4_tools, "llama3": _llama3_tools, "mistral": _mistral_tools,
-          "qwen": _qwen_tools}
+def _qwen35_tools(tools: list[dict]) -> str:
+    # the bare schema (a wrapper without "function" keeps itself, unlike _function)
+    return _QWEN35_PROMPT.format(tool_text="".join(
+        "\n" + _dumps(t.get("function", t) if t.get("type") == "function" else t) for t in tools))
+
+
+def _glm4_moe_tools(tools: list[dict]) -> str:
+    return _GLM4_MOE_PROMPT.format(tool_text="".join("\n" + _dumps(_wrapped(t)) for t in tools))
+
+
+_TOOLS = {"default": _default_tools, "glm4": _glm4_tools, "glm4_moe": _glm4_moe_tools, "llama3": _llama3_tools,
+          "mistral": _mistral_tools, "qwen": _qwen_tools, "qwen3_5": _qwen35_tools}
 
 
 def _default_calls(calls: list[tuple[str, str]]) -> str:
@@ -127,8 +162,27 @@ def _qwen_calls(calls: list[tuple[str, str]]) -> str:
                      for name, args in calls)
 
 
-_CALLS = {"default": _default_calls, "glm4": _glm4_calls, "llama3": _llama3_calls, "mistral": _mistral_calls,
-          "qwen": _qwen_calls}
+def _text_value(value) -> str:
+    """An argument's value as XML-ish formats print it: strings as they are, the rest as JSON."""
+    return value if isinstance(value, str) else _dumps(value)
+
+
+def _qwen35_calls(calls: list[tuple[str, str]]) -> str:
+    return "\n".join(f"<tool_call>\n<function={name}>"
+                     + "".join(f"\n<parameter={k}>\n{_text_value(v)}\n</parameter>"
+                               for k, v in json.loads(args).items())
+                     + "\n</function>\n</tool_call>" for name, args in calls)
+
+
+def _glm4_moe_calls(calls: list[tuple[str, str]]) -> str:
+    # no closing </tool_call>: LLaMA-Factory writes none
+    return "\n".join("\n<tool_call>" + name
+                     + "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{_text_value(v)}</arg_value>"
+                               for k, v in json.loads(args).items()) for name, args in calls)
+
+
+_CALLS = {"default": _default_calls, "glm4": _glm4_calls, "glm4_moe": _glm4_moe_calls, "llama3": _llama3_calls,
+          "mistral": _mistral_calls, "qwen": _qwen_calls, "qwen3_5": _qwen35_calls}
 
 
 def check_format(tool_format: str) -> None:

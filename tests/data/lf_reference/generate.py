@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 TEMPLATES = ["default", "empty", "alpaca", "vicuna", "llava", "chatml", "qwen", "qwen2_vl", "qwen3", "qwen3_nothink",
              "yi", "smollm", "smollm2", "cpm4", "llama2", "llama3", "llama4", "mistral", "ministral", "mistral_small",
              "gemma", "gemma2", "gemma3", "phi", "phi4", "phi4_mini", "deepseek", "deepseek3", "deepseekr1", "glm4",
-             "gpt_oss", "zephyr", "olmo", "granite3", "falcon"]
+             "gpt_oss", "zephyr", "olmo", "granite3", "falcon", "qwen3_5", "qwen3_5_nothink", "glm4_moe"]
 LLAMA3_TOOLS = {"llama3", "llama4"}
 DATASETS = ["alpaca_en_demo", "identity", "sharegpt_multiturn", "glaive_toolcall_en_demo"]
 # a chat_template shaped like Qwen3's: old thoughts dropped from the history, an empty thought block
@@ -69,7 +69,8 @@ def cases() -> list[dict]:
         out.append(dict(template=t, datasets=["sharegpt_multiturn", "glaive_toolcall_en_demo"], enable_thinking=False))
         out.append(dict(template=t, datasets=["sharegpt_multiturn"], enable_thinking=False, mask_history=True))
     for t, fmt in [("qwen", "default"), ("default", "qwen"), ("default", "glm4"), ("mistral", "mistral"),
-                   ("qwen3", "mistral"), ("llama3", "qwen"), ("glm4", "default")]:
+                   ("qwen3", "mistral"), ("llama3", "qwen"), ("glm4", "default"), ("qwen", "qwen3_5"),
+                   ("default", "glm4_moe")]:
         out.append(dict(template=t, datasets=["glaive_toolcall_en_demo"], tool_format=fmt))
     out.append(dict(template="qwen", datasets=["glaive_toolcall_en_demo"], cutoff_len=50, mask_history=True))
     return out
