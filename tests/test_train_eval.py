@@ -266,3 +266,18 @@ def test_sharded_checkpoint_loads_resumes_and_is_checked(tiny_dir, tmp_path, mon
     shard.unlink()
     with pytest.raises(checkpoint.CheckpointError, match=f"no {shards[-1]}"):
         checkpoint.read(ckpt)
+
+
+def test_an_eval_batch_that_runs_out_of_memory_says_which_key_to_lower(tiny_dir):  # noqa: F811
+    from transformers import AutoTokenizer
+    from megacompile.errors import CannotFitError
+    from megacompile.runtime.adamw import HostAdamW
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    examples, _ = build_examples(config(tiny_dir, Path("/nonexistent")), tok)
+    model = torch.nn.Linear(2, 2)
+
+    def out_of_memory(**batch):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(CannotFitError, match=r"batch of 3 x \d+ tokens: lower per_device_eval_batch_size \(now 3\)"):
+        evaluate(out_of_memory, model, HostAdamW(model.parameters()), examples, 3, tok.pad_token_id)
+    assert model.training   # back in train mode

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CannotFitError, ConfigError
 from .data import IGNORE, DataError, build_examples, collate
 
 STRATEGIES = ("no", "steps", "epoch")
@@ -181,7 +181,13 @@ def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: 
                 if n == 0:
                     continue
                 # the loss summed over the batch's tokens / n: times n is the batch's sum
-                out = cmodel(**batch, num_items_in_batch=torch.tensor(n), use_cache=False)
+                try:
+                    out = cmodel(**batch, num_items_in_batch=torch.tensor(n), use_cache=False)
+                except torch.OutOfMemoryError:   # (the preflight planned the training batch, not this one)
+                    rows, length = batch["input_ids"].shape
+                    raise CannotFitError(f"evaluation ran out of device memory on a batch of {rows} x {length} "
+                                         "tokens: lower per_device_eval_batch_size "
+                                         f"(now {batch_size}) and resume from the last checkpoint.") from None
                 total += float(out.loss) * n
                 tokens += n
     finally:
