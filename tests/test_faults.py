@@ -478,3 +478,20 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tiny_dir, tmp_path):  #
     done = checkpoint.checkpoints(out)[-1]
     assert main(["train", str(cfg), "--no-progress", "resume_from_checkpoint=true",
                  f"max_steps={checkpoint.step_of(done) + 1}"]) == 0
+
+
+def test_a_run_that_failed_before_its_first_step_leaves_a_folder_that_is_still_a_run(tiny_dir, tmp_path,  # noqa: F811
+                                                                                       monkeypatch):
+    """TensorBoard's runs/ is written before the first step: a run that fails right after it must
+    not leave a folder the next run calls foreign (and overwrite then removes the events)."""
+    import megacompile.train.trainer as trainer
+    monkeypatch.setattr(trainer, "device_peak", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        train(config(tiny_dir, tmp_path, report_to="tensorboard"), progress=False)
+    out = tmp_path / "out"
+    assert (out / "runs").is_dir() and (out / LOG_NAME).exists()
+    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        train(config(tiny_dir, tmp_path, report_to="tensorboard"), progress=False)
+    train(config(tiny_dir, tmp_path, report_to="tensorboard", overwrite_output_dir=True, max_steps=1), progress=False)
+    assert len(log_rows(out)) == 1

@@ -245,6 +245,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
 
     for note in run.start(state["step"]):   # the old run's files go, or a resumed branch's later ones retire
         say(f"[megatrain] {note}")
+    (out / LOG_NAME).touch()   # first: the trackers' folders count as this run's only next to its log (run_dir.py)
     reporter.start(out, config)
     names = {id(p): n for n, p in model.named_parameters()}
     peak_tflops, peak_why = device_peak(config, device, next(model.parameters()).dtype)
