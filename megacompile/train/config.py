@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from ..options import Options
 from ..runtime.adamw import OVERLAP_MODES
 from ..vlm import VISION_MODES
-from . import lf_keys, schedule
+from . import finetuning, lf_keys, schedule
 from .report import REPORTS
 
 STAGES = ("sft", "pt")
@@ -106,6 +106,14 @@ class TrainConfig:
     eval_steps: float | None = _key("evaluation", None, "evaluate every N steps (a fraction < 1: of the run's "
                                                         "steps); none: logging_steps")
     per_device_eval_batch_size: int = _key("evaluation", 8, "examples per evaluation batch")
+    # fine-tuning method (finetuning.py; LLaMA-Factory's keys)
+    finetuning_type: str = _key("training", "full", "full: every weight trains; freeze: only the freeze_* selection "
+                                                    "(LLaMA-Factory's freeze tuning)")
+    freeze_trainable_layers: int = _key("training", 2, "freeze: train the last n decoder layers (n < 0: the first -n)")
+    freeze_trainable_modules: str = _key("training", "all", "freeze: the modules of those layers that train: all, or "
+                                                            "comma-separated names (e.g. mlp,self_attn)")
+    freeze_extra_modules: str | None = _key("training", None, "freeze: modules outside the layers that train too, "
+                                                              "comma-separated (e.g. embed_tokens,norm)")
     # optimisation
     per_device_train_batch_size: int = _key("training", 1, "examples per micro-batch")
     gradient_accumulation_steps: int = _key("training", 1, "micro-batches per optimizer step")
@@ -200,6 +208,7 @@ class TrainConfig:
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit}: keep at least 1 checkpoint (or leave it unset).")
         self._check_data_and_eval()
+        finetuning.check_config(self)
         need(all(isinstance(k, str) for k in self.lr_scheduler_kwargs),
              f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r}: the keys are argument names (e.g. min_lr_rate).")
         schedule.check(self)

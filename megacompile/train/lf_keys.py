@@ -85,8 +85,7 @@ NOTED: dict[str, str] = {
                      "profiler_active_steps", "profiler_repeat", "profiler_record_shapes", "profiler_profile_memory",
                      "profiler_with_stack", "profile_modules"), _PROFILER),
     # options of methods that are switched off unless their switch (refused below) is on
-    **dict.fromkeys(("freeze_trainable_layers", "freeze_trainable_modules", "freeze_extra_modules",
-                     "additional_target", "lora_alpha", "lora_dropout", "lora_rank", "lora_target",
+    **dict.fromkeys(("additional_target", "lora_alpha", "lora_dropout", "lora_rank", "lora_target",
                      "loraplus_lr_ratio", "loraplus_lr_embedding", "use_rslora", "use_dora", "pissa_init",
                      "pissa_iter", "pissa_convert", "create_new_adapter", "module_dropout", "oft_rank",
                      "oft_block_size", "oft_target", "pref_beta", "pref_ftx", "pref_bco_weight", "pref_loss",
@@ -193,7 +192,6 @@ MAPPED = {
     "pure_bf16": "true -> torch_dtype: bfloat16 (megatrain keeps fp32 master weights and AdamW state anyway)",
     "neat_packing": "true -> packing: true (megatrain's packing is always neat: positions restart per sample, "
                     "no attention across samples)",
-    "finetuning_type": "full is what megatrain does; lora, freeze and oft are refused (not supported yet)",
     "freeze_vision_tower": "true -> vision: frozen; false -> vision: train",
     "use_cpu": "true -> device: cpu",
 }
@@ -215,11 +213,7 @@ def _map(key: str, value: Any, mapping: dict[str, Any], out: Translated) -> None
             out.refused.append(f"{key}: {value!r} means {ours}: {ours_value}, but {ours} is {given!r}: set one of them")
         else:
             out.values[ours] = ours_value
-    if key == "finetuning_type":
-        if value != "full":
-            out.refused.append(f"finetuning_type: {value!r}: only full fine-tuning is supported yet (LoRA, freeze "
-                               "and OFT are not): use finetuning_type: full")
-    elif key in ("bf16", "fp16", "pure_bf16"):
+    if key in ("bf16", "fp16", "pure_bf16"):
         if value is True:
             set_key("torch_dtype", "float16" if key == "fp16" else "bfloat16")
         elif value not in (False, None):

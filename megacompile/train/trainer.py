@@ -34,6 +34,7 @@ from . import checkpoint, resume, schedule
 from .config import TrainConfig
 from .data import IGNORE, Order, build_examples, check_datasets, collate, fingerprint, show_example
 from .evaluate import Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
+from .finetuning import apply_finetuning
 from .flops import FlopCounter, device_peak
 from .images import image_inputs
 from .model_source import ModelSource
@@ -174,6 +175,9 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     _seed(config.seed)
     source = ModelSource(config, device)
     arch = source.meta_model()
+    tuning = apply_finetuning(arch, config)   # (the preflight counts what trains; bad module names fail here)
+    if tuning:
+        say(tuning)
     if config.packing and config.stage == "sft":
         check_packing(arch)
     say(preflight(arch, device, config.vision))
@@ -214,6 +218,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                           f"exported in {out}: nothing to train. Raise max_steps (or num_train_epochs) to train on.")
 
     model, tokenizer, processor = source.load()
+    apply_finetuning(model, config)   # before compile: the store makes masters only for what trains
     # the trainer reads only the loss: the LM head and the loss run fused, no [tokens, vocab] logits
     compile_options = {"logits": "drop", **config.megatrain}
     if device.type == "cuda" and compile_options.get("device_budget") is None:
