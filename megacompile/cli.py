@@ -143,7 +143,7 @@ def _plan(args) -> int:
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
     host_ram = args.host_ram   # (bytes: byte_size)
     model, seq, slots, recompute, vision = args.model, args.seq, args.slots, args.recompute, args.vision
-    logits = args.logits
+    logits, prepare = args.logits, None
     if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots
         from .train.config import load_config
         cfg = load_config(model)
@@ -153,8 +153,11 @@ def _plan(args) -> int:
         recompute = cfg.megatrain.get("recompute", recompute)
         logits = cfg.megatrain.get("logits", logits)
         vision = cfg.vision
+        from .train.finetuning import apply_finetuning
+        prepare = lambda meta: apply_finetuning(meta, cfg)   # noqa: E731 (finetuning_type: freeze counts less)
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
-                      slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision)
+                      slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision,
+                      prepare=prepare)
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:

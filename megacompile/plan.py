@@ -280,11 +280,13 @@ class _Model:
 
 def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: int = 4096,
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
-               max_batch: int = 4096, options: dict | None = None, vision: str = "frozen") -> Plan:
+               max_batch: int = 4096, options: dict | None = None, vision: str = "frozen",
+               prepare=None) -> Plan:
     """Plan training `source` (preset, config.json, model directory or a transformers config) on
     `hardware`, with megatrain compile `options` (default as `megatrain train` compiles: the
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
-    tower is frozen or trained (megacompile/vlm.py)."""
+    tower is frozen or trained (megacompile/vlm.py). `prepare(meta_model)`, if given, runs before
+    anything is counted: a train config's finetuning_type freezing weights (train/finetuning.py)."""
     options = {"logits": "drop", **(options or {})}
     from .errors import ConfigError
     from .inspect import build_meta_model, check_positive
@@ -295,6 +297,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     if host_ram is not None and (not isinstance(host_ram, int) or host_ram < 1):
         raise ConfigError(f"host_ram={host_ram!r}: give the host RAM in bytes (a positive integer).")
     model, config = build_meta_model(source, None, dtype)
+    if prepare is not None:
+        prepare(model)
     device_type = "cpu" if hardware.name == "cpu" else "cuda"
     host = host_bytes(model, device_type)
     vlm = is_vlm(model)

@@ -60,13 +60,14 @@ def plan_check(model, config, device: torch.device) -> str:
     per_device_train_batch_size x cutoff_len against the usable device memory (on the CPU, the
     RAM left after the host store). Refuses a run that cannot fit, saying what to change."""
     from ..plan import _fmt, plan_model
+    from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size
     options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head", "logits")}
     hardware, why = hardware_for(config, device, dtype)
     plan = plan_model(model.config, hardware=hardware, seq=config.cutoff_len, batch=batch,
                       slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
-                      vision=config.vision)
+                      vision=config.vision, prepare=lambda meta: apply_finetuning(meta, config))
     est = next((b for b in plan.batches if b.batch == batch), None)   # None: not even batch 1 fits
     if est is None or est.device_peak_bytes > plan.device_capacity:
         raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} does not fit the "
