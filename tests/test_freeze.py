@@ -221,3 +221,19 @@ def test_apply_finetuning_full_leaves_the_model_alone():
     model = meta_model("llama")
     assert apply_finetuning(model, from_mapping(OK)) is None
     assert all(p.requires_grad for p in model.parameters())
+
+
+def test_megatrain_plan_of_a_freeze_config_counts_only_what_trains(tiny_dir, tmp_path, capsys):
+    path = tmp_path / "freeze.yaml"
+    path.write_text(f"model_name_or_path: {tiny_dir}\ndataset: alpaca_demo\noutput_dir: {tmp_path / 'out'}\n"
+                    "finetuning_type: freeze\nfreeze_trainable_layers: 1\nfreeze_trainable_modules: mlp\n")
+    assert main(["plan", str(path), "--gpu", "h200", "--host-ram", "1T", "--format", "json", "--seq", "16",
+                 "--batch", "1"]) == 0
+    host = json.loads(capsys.readouterr().out)["host"]
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    freeze(model, 1, "mlp", None)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    assert 0 < trained < total / 4
+    assert (host["masters"], host["optimizer_state"], host["grads"]) == (4 * trained, 8 * trained, 4 * trained)
+    assert host["transfer_copy"] == 2 * total   # (every weight streams, in bf16)
