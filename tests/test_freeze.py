@@ -237,3 +237,10 @@ def test_megatrain_plan_of_a_freeze_config_counts_only_what_trains(tiny_dir, tmp
     assert 0 < trained < total / 4
     assert (host["masters"], host["optimizer_state"], host["grads"]) == (4 * trained, 8 * trained, 4 * trained)
     assert host["transfer_copy"] == 2 * total   # (every weight streams, in bf16)
+
+
+def test_freeze_of_a_vision_language_model_is_refused():
+    from test_vlm import tiny_vlm
+    cfg = from_mapping({**OK, "finetuning_type": "freeze"})
+    with pytest.raises(ConfigError, match="vision-language model llava is not supported yet: use finetuning_type: full"):
+        apply_finetuning(tiny_vlm("llava"), cfg)
