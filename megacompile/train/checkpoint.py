@@ -123,6 +123,9 @@ def estimate_bytes(model: torch.nn.Module, optimizer) -> int:
     tensors + a little for the headers and JSON files)."""
     masters = sum(4 * p.numel() if p.dtype in (torch.bfloat16, torch.float16) else p.numel() * p.element_size()
                   for p in {id(p): p for p in model.parameters()}.values())
+    from .lora import is_lora
+    if is_lora(model):   # the adapter's masters, twice (model.safetensors and adapter_model.safetensors)
+        masters = 2 * sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
     state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
     if not optimizer.state:   # before the first step: AdamW's two fp32 moments per trainable weight
@@ -178,9 +181,13 @@ def _write_model_files(model: torch.nn.Module, saver, folder: Path) -> None:
         saver.save_pretrained(folder)
 
 
-def _weights_to_save(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _weights_to_save(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Parameter name -> fp32 master (tied weights once, under their first name), and the
-    persistent buffers, so from_pretrained finds every tensor of the state dict."""
+    persistent buffers, so from_pretrained finds every tensor of the state dict. `trainable_only`
+    (LoRA): the parameters that train, nothing else (the rest is model_name_or_path's)."""
+    if trainable_only:
+        return {name: master_weight(p).detach().contiguous() for name, p in model.named_parameters()
+                if p.requires_grad}
     tensors = {name: master_weight(p).detach().contiguous() for name, p in model.named_parameters()}
     aliases = {name for name, _ in model.named_parameters(remove_duplicate=False)}   # (a tied LM head's too)
     for name, t in model.state_dict().items():
@@ -196,7 +203,9 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"checkpoint-{step}.tmp"
-    masters = _weights_to_save(model)
+    from .lora import is_lora, save_adapter
+    adapter = is_lora(model)   # (LoRA: the adapter's weights only; the base model is model_name_or_path)
+    masters = _weights_to_save(model, trainable_only=adapter)
     bad = [name for name, t in masters.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:   # never write a checkpoint that cannot be trained from
         raise TrainingError(f"step {step}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not "
@@ -209,11 +218,17 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     try:
         tmp.mkdir(parents=True)
         _write_weights(masters, tmp)
-        _write_model_files(model, saver, tmp)
+        if adapter:   # as LLaMA-Factory's LoRA checkpoints: PeftModel.from_pretrained(base, checkpoint-N)
+            save_adapter(model, tmp)
+            if saver is not None:
+                saver.save_pretrained(tmp)
+        else:
+            _write_model_files(model, saver, tmp)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         (tmp / "rng.json").write_text(json.dumps(rng_state.capture()))
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
-        (tmp / TRAINER).write_text(json.dumps({**trainer_state, "step": step, "files": files}, indent=1))
+        (tmp / TRAINER).write_text(json.dumps({**trainer_state, "step": step, "files": files,
+                                               **({"weights": "trainable"} if adapter else {})}, indent=1))
         for f in tmp.iterdir():
             _fsync(f)
         _fsync(tmp)
@@ -365,6 +380,8 @@ def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) 
     returns its trainer.json. Everything that can mismatch is compared before anything is set."""
     path, masters = loaded.path, loaded.masters
     params = dict(model.named_parameters())
+    if loaded.trainer.get("weights") == "trainable":   # (LoRA: the frozen rest came from model_name_or_path)
+        params = {name: p for name, p in params.items() if p.requires_grad}
     buffers = set(model.state_dict()) - {n for n, _ in model.named_parameters(remove_duplicate=False)}
     # (persistent buffers are saved for from_pretrained; training does not change them)
     missing, unexpected = set(params) - set(masters), set(masters) - set(params) - buffers

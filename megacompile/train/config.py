@@ -108,12 +108,22 @@ class TrainConfig:
     per_device_eval_batch_size: int = _key("evaluation", 8, "examples per evaluation batch")
     # fine-tuning method (finetuning.py; LLaMA-Factory's keys)
     finetuning_type: str = _key("training", "full", "full: every weight trains; freeze: only the freeze_* selection "
-                                                    "(LLaMA-Factory's freeze tuning)")
+                                                    "(LLaMA-Factory's freeze tuning); lora: LoRA adapters (peft)")
     freeze_trainable_layers: int = _key("training", 2, "freeze: train the last n decoder layers (n < 0: the first -n)")
     freeze_trainable_modules: str = _key("training", "all", "freeze: the modules of those layers that train: all, or "
                                                             "comma-separated names (e.g. mlp,self_attn)")
     freeze_extra_modules: str | None = _key("training", None, "freeze: modules outside the layers that train too, "
                                                               "comma-separated (e.g. embed_tokens,norm)")
+    lora_rank: int = _key("training", 8, "lora: the rank of the LoRA matrices")
+    lora_alpha: float | None = _key("training", None, "lora: the LoRA scale factor; none: 2 * lora_rank")
+    lora_dropout: float = _key("training", 0.0, "lora: dropout on the LoRA path's input")
+    lora_target: str = _key("training", "all", "lora: comma-separated module names to adapt, or all (every linear "
+                                               "layer but the LM head)")
+    additional_target: str | None = _key("training", None, "lora: modules trained in full besides the adapters, "
+                                                           "comma-separated (e.g. embed_tokens,lm_head)")
+    use_rslora: bool = _key("training", False, "lora: rank-stabilised scaling alpha / sqrt(rank) instead of "
+                                               "alpha / rank")
+    merge_lora: bool = _key("output", False, "lora: also write the merged full model to output_dir/merged")
     # optimisation
     per_device_train_batch_size: int = _key("training", 1, "examples per micro-batch")
     gradient_accumulation_steps: int = _key("training", 1, "micro-batches per optimizer step")

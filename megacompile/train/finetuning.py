@@ -9,6 +9,7 @@ and on the loaded model, before torch.compile (the store creates fp32 masters, a
 delivers gradients, only for parameters that require grad; HostAdamW gets only those).
   full     every weight trains (a VLM's vision side as `vision` says: megacompile/vlm.py)
   freeze   LLaMA-Factory's freeze tuning (freeze.py)
+  lora     LLaMA-Factory's LoRA through peft (lora.py)
 """
 from __future__ import annotations
 
@@ -17,12 +18,12 @@ from torch import nn
 from ..errors import ConfigError
 from ..vlm import is_vlm
 from . import freeze as freeze_tuning
+from . import lora
 
 #: the methods megatrain trains with
-METHODS = ("full", "freeze")
+METHODS = ("full", "freeze", "lora")
 #: LLaMA-Factory's other methods, and why they are refused
-REFUSED = {"lora": "LoRA is not supported yet",
-           "oft": "OFT (orthogonal fine-tuning) is not supported yet"}
+REFUSED = {"oft": "OFT (orthogonal fine-tuning) is not supported yet"}
 #: the freeze method's keys and their defaults (LLaMA-Factory's)
 FREEZE_KEYS = {"freeze_trainable_layers": 2, "freeze_trainable_modules": "all", "freeze_extra_modules": None}
 
@@ -34,6 +35,7 @@ def check_config(config) -> None:
         raise ConfigError(f"finetuning_type: {method}: {REFUSED[method]}; use {' or '.join(METHODS)}.")
     if method not in METHODS:
         raise ConfigError(f"finetuning_type={method!r}: use one of {', '.join(METHODS)}.")
+    lora.check_config(config)   # (the lora_* keys: set only for lora, valid, peft installed)
     if method != "freeze":
         changed = [f"{k}={getattr(config, k)!r}" for k, default in FREEZE_KEYS.items() if getattr(config, k) != default]
         if changed:
@@ -64,4 +66,6 @@ def apply_finetuning(model: nn.Module, config) -> str | None:
                               "only).")
         return freeze_tuning.freeze(model, config.freeze_trainable_layers, config.freeze_trainable_modules,
                                     config.freeze_extra_modules)
+    if method == "lora":
+        return lora.apply_lora(model, config)
     raise ConfigError(f"finetuning_type={method!r}: use one of {', '.join(METHODS)}.")   # (check_config refused it)

@@ -85,9 +85,7 @@ NOTED: dict[str, str] = {
                      "profiler_active_steps", "profiler_repeat", "profiler_record_shapes", "profiler_profile_memory",
                      "profiler_with_stack", "profile_modules"), _PROFILER),
     # options of methods that are switched off unless their switch (refused below) is on
-    **dict.fromkeys(("additional_target", "lora_alpha", "lora_dropout", "lora_rank", "lora_target",
-                     "loraplus_lr_ratio", "loraplus_lr_embedding", "use_rslora", "use_dora", "pissa_init",
-                     "pissa_iter", "pissa_convert", "create_new_adapter", "module_dropout", "oft_rank",
+    **dict.fromkeys(("module_dropout", "oft_rank",
                      "oft_block_size", "oft_target", "pref_beta", "pref_ftx", "pref_bco_weight", "pref_loss",
                      "dpo_label_smoothing", "kto_chosen_weight", "kto_rejected_weight", "simpo_gamma",
                      "ppo_buffer_size", "ppo_epochs", "ppo_score_norm", "ppo_target", "ppo_whiten_rewards",
@@ -113,8 +111,16 @@ NOTED: dict[str, str] = {
 # -- REFUSED: (the values that change nothing, why another value is refused) ----------------------
 _NOT_YET = "not supported by megatrain yet"
 REFUSED: dict[str, tuple[tuple, str]] = {
-    "adapter_name_or_path": ((None,), "LoRA adapters are not supported yet (megatrain trains all weights)"),
-    "adapter_folder": ((None,), "LoRA adapters are not supported yet (megatrain trains all weights)"),
+    "adapter_name_or_path": ((None,), "continuing or merging an existing LoRA adapter is not supported yet "
+                                      "(finetuning_type: lora starts new adapters)"),
+    "adapter_folder": ((None,), "continuing or merging an existing LoRA adapter is not supported yet"),
+    "create_new_adapter": ((False,), "it needs adapter_name_or_path, which is not supported yet"),
+    "use_dora": ((False,), "DoRA is not supported yet (finetuning_type: lora trains plain LoRA)"),
+    "pissa_init": ((False,), "PiSSA initialisation is not supported yet (LoRA starts as peft's default init)"),
+    "pissa_iter": ((16,), "PiSSA initialisation is not supported yet"),
+    "pissa_convert": ((False,), "PiSSA initialisation is not supported yet"),
+    "loraplus_lr_ratio": ((None,), "LoRA+ (a larger learning rate for lora_B) is not supported yet"),
+    "loraplus_lr_embedding": ((1e-6,), "LoRA+ is not supported yet"),
     "cache_dir": ((None,), "set HF_HOME (or HF_HUB_CACHE) for where models are downloaded"),
     "use_fast_tokenizer": ((True,), "megatrain loads the tokenizer with AutoTokenizer's default (the fast one)"),
     "resize_vocab": ((False,), "resizing the vocabulary is " + _NOT_YET),

@@ -5,7 +5,7 @@
 Refused (the run would no longer continue the one it resumes): the sample order and batch
 (`per_device_train_batch_size`, `gradient_accumulation_steps`, `seed`,
 `disable_shuffling`), what is trained
-(`stage`, `torch_dtype`, `num_layers`, `vision`, `finetuning_type` and the freeze_* keys) and,
+(`stage`, `torch_dtype`, `num_layers`, `vision`, `finetuning_type`, the freeze_* and lora keys) and,
 when the checkpoint has no data fingerprint, the data keys. The data keys (`dataset`, `dataset_dir`, `template`, `cutoff_len`,
 ...) and `model_name_or_path` are otherwise judged by content: a moved folder is fine when the
 examples' tokens are the same (the fingerprint, compared by the trainer) and the weights' names
@@ -20,7 +20,8 @@ from typing import Any
 #: changing these breaks the equivalence with the run being resumed
 REFUSED = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed", "stage", "torch_dtype", "num_layers",
            "vision", "disable_shuffling", "finetuning_type", "freeze_trainable_layers", "freeze_trainable_modules",
-           "freeze_extra_modules")
+           "freeze_extra_modules", "lora_rank", "lora_alpha", "lora_dropout", "lora_target", "additional_target",
+           "use_rslora")
 #: these decide the examples; compared by the examples' fingerprint when the checkpoint has one
 DATA = ("dataset", "dataset_dir", "template", "cutoff_len", "max_samples", "packing", "train_on_prompt", "mask_history",
         "media_dir", "image_max_pixels", "image_min_pixels", "allow_outside_dataset_dir", "default_system",

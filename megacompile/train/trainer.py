@@ -30,7 +30,7 @@ from .. import vlm
 from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
-from . import checkpoint, resume, schedule
+from . import checkpoint, lora, resume, schedule
 from .config import TrainConfig
 from .data import IGNORE, Order, build_examples, check_datasets, collate, fingerprint, show_example
 from .evaluate import Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
@@ -243,7 +243,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         say(f"[megatrain] resumed from {loaded.path} at step {state['step']}"
             + (f"; changed since, applied from here: {'; '.join(applied)}" if applied else ""))
     if finished:
-        _export(out, model, processor or tokenizer, state["step"])
+        _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
         say(f"[megatrain] nothing left to train (step {state['step']} of {total}); exported the model of "
             f"{loaded.path} to {out}")
         return state
@@ -286,7 +286,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                             "model trained little or nothing, so it is not exported. Lower learning_rate, check the "
                             f"data for NaN/inf; {_last_checkpoint(out)}.")
     if state["step"] >= total:
-        _export(out, model, processor or tokenizer, state["step"])
+        _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
         _plot(out)
         say(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
             f"{state['skipped_steps']} skipped; the model is in {out}")
@@ -411,8 +411,9 @@ def export_step(out: Path) -> int | None:
         return None
 
 
-def _export(out: Path, model, saver, step: int) -> None:
-    """The Hugging Face model folder in output_dir: written next to it, then moved in file by
+def _export(out: Path, model, saver, step: int, merge: bool = False) -> None:
+    """The Hugging Face model folder in output_dir (a LoRA run: the adapter, and with `merge`
+    the merged model in output_dir/merged): written next to it, then moved in file by
     file, and listed in megatrain_export.json (written last: a later overwrite_output_dir
     removes exactly these files; its absence means the export did not finish)."""
     from safetensors import SafetensorError
@@ -421,7 +422,12 @@ def _export(out: Path, model, saver, step: int) -> None:
         shutil.rmtree(tmp)
     (out / EXPORT_MANIFEST).unlink(missing_ok=True)
     try:
-        model.save_pretrained(tmp)
+        if lora.is_lora(model):   # as LLaMA-Factory's output_dir after LoRA: the adapter (lora.py)
+            lora.save_adapter(model, tmp)
+            if merge:
+                lora.save_merged(model, tmp / "merged", saver)
+        else:
+            model.save_pretrained(tmp)
         saver.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())
         for name in files:

@@ -1,0 +1,248 @@
+"""`finetuning_type: lora` (megacompile/train/lora.py): peft's LoRA compiled by the megatrain
+backend matches eager PEFT, streams the frozen base without masters, moments or gradients, and the
+trainer checkpoints, resumes and exports the adapter as LLaMA-Factory does."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+import megacompile  # noqa: E402
+from conftest import Fp32MasterReference, batch, tiny_model  # noqa: E402
+from megacompile.errors import ConfigError  # noqa: E402
+from megacompile.runtime.adamw import HostAdamW  # noqa: E402
+from megacompile.train import checkpoint, lora  # noqa: E402
+from test_train import config, log_rows, tiny_dir  # noqa: E402,F401 (the tiny model folder fixture)
+
+SHAPES = [(2, 8, 0), (2, 8, 2), (3, 11, 3), (2, 9, 1)]   # (batch, seq, left padding)
+
+
+def lora_config(**kw):
+    """The lora keys as a TrainConfig holds them."""
+    return SimpleNamespace(finetuning_type="lora", **{**lora.LORA_KEYS, **kw})
+
+
+def with_lora(model, seed=1, init_b=True, **kw):
+    """`model` with adapters (seeded); `init_b`: lora_B random too, so the adapters change the
+    loss from the first step (peft's init makes B zero)."""
+    torch.manual_seed(seed)
+    lora.apply_lora(model, lora_config(**kw))
+    if init_b:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+    return model
+
+
+def steps(call, opt, n, seed=100):
+    """n training steps; dropout masks drawn from a seeded generator per step."""
+    losses = []
+    for i in range(n):
+        b, s, pad = SHAPES[i % len(SHAPES)]
+        ids, mask, labels = batch(b, s, seed=i, pad_left=pad)
+        torch.manual_seed(seed + i)
+        loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_fp32_lora_matches_eager_peft(dropout):
+    """Same model, same adapters: megatrain + HostAdamW against eager PEFT + torch AdamW. With
+    dropout > 0 the backward's recompute must draw the forward's masks, or the gradients differ."""
+    model = with_lora(tiny_model("llama", layers=3), lora_dropout=dropout, lora_target="q_proj,v_proj,down_proj")
+    ref = copy.deepcopy(model)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ours = steps(cmodel, HostAdamW(trainable(model), lr=1e-2, weight_decay=0.0), 4)
+    theirs = steps(ref, torch.optim.AdamW(trainable(ref), lr=1e-2, weight_decay=0.0), 4)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        else:
+            assert torch.equal(p, base[name]), name   # the base is bit-unchanged
+    stats = megacompile.stats(cmodel)
+    lora_bytes = sum(4 * p.numel() for p in trainable(model))
+    assert stats["d2h_bytes"] == lora_bytes   # gradients come back for the adapters only
+    assert stats["layers"] == 3
+
+
+def test_dropout_actually_changes_the_loss():
+    """(the dropout parity test above would prove nothing if the masks did not matter)"""
+    losses = []
+    for dropout in (0.0, 0.3):
+        model = with_lora(tiny_model("llama", layers=2), lora_dropout=dropout, lora_target="q_proj,v_proj")
+        ids, mask, labels = batch(2, 8)
+        torch.manual_seed(5)
+        losses.append(model(input_ids=ids, labels=labels, use_cache=False).loss.item())
+    assert losses[0] != losses[1]
+
+
+def test_only_the_adapters_get_masters_moments_and_gradients():
+    model = with_lora(tiny_model("llama", layers=4), lora_target="all", lora_rank=2)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    opt = HostAdamW(trainable(model), lr=1e-3)
+    steps(cmodel, opt, 2)
+    adapters = {id(p) for p in trainable(model)}
+    assert set(map(id, opt.state)) <= adapters and len(opt.state) == len(adapters)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    stats = megacompile.stats(cmodel)
+    assert stats["d2h_bytes"] == sum(4 * p.numel() for p in trainable(model))
+    assert stats["d2h_bytes"] < stats["weight_bytes"] / 5
+
+
+def test_identical_layers_still_share_bodies():
+    """LoRA layers dedupe: the count of distinct layer bodies does not grow with depth (the
+    first layer's backward has no input gradient: the embeddings are frozen)."""
+    counts = []
+    for layers in (3, 6):
+        torch._dynamo.reset()
+        megacompile.output_hooks.register()
+        model = with_lora(tiny_model("llama", layers=layers), lora_target="q_proj,v_proj")
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+        ids, _, labels = batch(2, 8)
+        cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+        stats = megacompile.stats(cmodel)
+        counts.append((stats["distinct_layer_bodies"], stats["distinct_backward_layer_bodies"]))
+    assert counts[0] == counts[1] and counts[0][0] <= 2 and counts[0][1] <= 3, counts
+
+
+def test_bf16_lora_matches_an_fp32_master_reference():
+    model = with_lora(tiny_model("llama", layers=2, dtype=torch.bfloat16), lora_target="all")
+    assert all(p.dtype == torch.float32 for p in trainable(model))   # upcast, as LF unless pure_bf16
+    assert model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
+    ref = Fp32MasterReference(copy.deepcopy(model), lr=1e-3)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ours = steps(cmodel, HostAdamW(trainable(model), lr=1e-3, weight_decay=0.0), 3)
+    theirs = steps(ref, SimpleNamespace(step=ref.step, zero_grad=lambda: None), 3)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-2, atol=0)
+
+
+def test_moe_lora_all_targets_the_linear_layers_only():
+    """Qwen3-MoE in transformers 5: each layer's experts are 3-D parameters (no Linear), so
+    lora_target all adapts the attention projections; the router (no Linear either) and the experts stay
+    frozen, as in LLaMA-Factory."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    model = AutoModelForCausalLM.from_config(cfg).train()
+    targets = lora.target_modules(model, "all")
+    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(targets) and "lm_head" not in targets
+    with_lora(model, lora_target="all")
+    assert not any("experts" in n for n, p in model.named_parameters() if p.requires_grad)
+    assert any(p.dim() == 3 for n, p in model.named_parameters() if "experts" in n and not p.requires_grad)
+    ref = copy.deepcopy(model)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ours = steps(cmodel, HostAdamW(trainable(model), lr=1e-2, weight_decay=0.0), 3)
+    theirs = steps(ref, torch.optim.AdamW(trainable(ref), lr=1e-2, weight_decay=0.0), 3)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_on_the_meta_model_and_bad_keys():
+    from transformers import AutoModelForCausalLM
+    from conftest import tiny_config
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", 2))
+    line = lora.apply_lora(meta, lora_config(lora_target="q_proj", additional_target="lm_head"))
+    assert "rank 8, alpha 16" in line and "lm_head in full" in line
+    names = [n for n, p in meta.named_parameters() if p.requires_grad]
+    assert any("lora_A" in n for n in names) and any("lm_head" in n for n in names)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", 2))
+    with pytest.raises(ConfigError, match="qproj is no module"):
+        lora.apply_lora(meta, lora_config(lora_target="qproj"))
+    for bad, match in [(dict(lora_rank=0), "lora_rank"), (dict(lora_dropout=1.0), "lora_dropout"),
+                       (dict(lora_target="all,q_proj"), "give it alone"), (dict(lora_target="q_proj,"), "empty")]:
+        with pytest.raises(ConfigError, match=match):
+            lora.check_config(lora_config(**bad))
+    with pytest.raises(ConfigError, match="configure finetuning_type: lora"):
+        lora.check_config(SimpleNamespace(**{**lora.LORA_KEYS, "finetuning_type": "full", "lora_rank": 4}))
+
+
+def test_lora_without_peft_is_one_line(monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(ConfigError, match=r"pip install 'megatrain\[lora\]'"):
+        lora.check_config(lora_config())
+
+
+def test_lf_lora_keys_map_or_refuse(tiny_dir, tmp_path):
+    cfg = config(tiny_dir, tmp_path, finetuning_type="lora", lora_rank=4, lora_target="q_proj,v_proj")
+    assert cfg.lora_rank == 4
+    for key, value in [("use_dora", True), ("pissa_init", True), ("loraplus_lr_ratio", 16.0),
+                       ("adapter_name_or_path", "some/adapter")]:
+        with pytest.raises(ConfigError, match=key):
+            config(tiny_dir, tmp_path, finetuning_type="lora", **{key: value})
+
+
+# the trainer -----------------------------------------------------------------------------------
+def lora_run(tiny_dir, tmp_path, **kw):
+    return config(tiny_dir, tmp_path, **{"finetuning_type": "lora", "lora_rank": 4, "lora_dropout": 0.1, **kw})
+
+
+def test_train_exports_the_adapter_and_the_merged_model(tiny_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from megacompile.train.trainer import train
+    before = {p.name: p.stat().st_mtime_ns for p in Path(tiny_dir).iterdir()}
+    cfg = lora_run(tiny_dir, tmp_path, max_steps=3, save_steps=3, merge_lora=True,
+                   additional_target="embed_tokens")
+    train(cfg, progress=False)
+    out = Path(cfg.output_dir)
+    assert {p.name: p.stat().st_mtime_ns for p in Path(tiny_dir).iterdir()} == before   # the model folder unwritten
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert (out / "tokenizer.json").is_file() and not (out / "model.safetensors").exists()
+    ckpt = out / "checkpoint-3"
+    masters = checkpoint.load_file(str(ckpt / "model.safetensors"))
+    assert masters and all("lora_" in n or "embed_tokens" in n for n in masters)   # only what trains
+    assert (ckpt / "adapter_model.safetensors").is_file()
+    ids = torch.tensor([[5, 9, 17, 33, 2, 7]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    untrained = base(input_ids=ids).logits
+    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
+    adapted = peft_model(input_ids=ids).logits
+    assert not torch.allclose(adapted, untrained)
+    for name, p in peft_model.named_parameters():   # the adapter holds the fp32 masters of the last step
+        key = name.removeprefix("base_model.model.")
+        if key in masters:
+            assert torch.equal(p, masters[key]), name
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_resume_is_bit_identical_to_the_uninterrupted_run(tiny_dir, tmp_path):
+    from megacompile.train.trainer import train
+    full = lora_run(tiny_dir, tmp_path / "full", max_steps=4, save_steps=2)
+    train(full, progress=False)
+    part = lora_run(tiny_dir, tmp_path / "part", max_steps=4, save_steps=2)
+    train(part, stop_at_step=3, progress=False)   # interrupted after step 3 (checkpoint at 2)
+    resumed = lora_run(tiny_dir, tmp_path / "part", max_steps=4, save_steps=2, resume_from_checkpoint=True)
+    train(resumed, progress=False)
+    ours, theirs = log_rows(Path(resumed.output_dir)), log_rows(Path(full.output_dir))
+    assert [r["step"] for r in ours] == [1, 2, 3, 4]
+    assert [r["loss"] for r in ours] == [r["loss"] for r in theirs]
+    a = checkpoint.load_file(str(Path(full.output_dir) / "checkpoint-4" / "model.safetensors"))
+    b = checkpoint.load_file(str(Path(resumed.output_dir) / "checkpoint-4" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    changed = lora_run(tiny_dir, tmp_path / "part", max_steps=6, save_steps=2, resume_from_checkpoint=True,
+                       lora_rank=8)
+    with pytest.raises(ConfigError, match="lora_rank"):
+        train(changed, progress=False)
