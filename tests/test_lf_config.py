@@ -148,8 +148,9 @@ def test_refused_keys_say_why_and_harmless_values_pass():
     assert "finetuning_type: oft: OFT" in refused({"finetuning_type": "oft"})
     # LLaMA-Factory's defaults of those keys change nothing
     c = from_mapping({**OK, "finetuning_type": "full", "quantization_bit": None, "use_galore": False,
-                      "optim": "adamw_torch", "lora_rank": 8, "packing": None, "label_smoothing_factor": 0.0})
-    assert c.packing is False and len(c.notes) == 1 and "lora_rank" in c.notes[0]
+                      "optim": "adamw_torch", "lora_rank": 8, "pref_beta": 0.1, "packing": None,
+                      "label_smoothing_factor": 0.0})
+    assert c.packing is False and len(c.notes) == 1 and "pref_beta" in c.notes[0]   # (lora_rank: a lora key now)
 
 
 def test_mapped_keys():
