@@ -246,3 +246,21 @@ def test_lora_resume_is_bit_identical_to_the_uninterrupted_run(tiny_dir, tmp_pat
                        lora_rank=8)
     with pytest.raises(ConfigError, match="lora_rank"):
         train(changed, progress=False)
+
+
+def test_preflight_and_plan_count_only_the_adapters(tiny_dir, tmp_path):
+    """On the meta model, as the trainer runs them before any weight loads: the host RAM for
+    masters' moments and gradients is the adapters', and the device plan works with peft."""
+    from megacompile.plan import host_bytes
+    from megacompile.train.model_source import ModelSource
+    from megacompile.train.preflight import plan_check
+    cfg = lora_run(tiny_dir, tmp_path, lora_target="all")
+    full = ModelSource(config(tiny_dir, tmp_path), torch.device("cpu")).meta_model()
+    meta = ModelSource(cfg, torch.device("cpu")).meta_model()
+    lora.apply_lora(meta, cfg)
+    adapters = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    assert adapters and all(p.device.type == "meta" for p in meta.parameters())
+    need, need_full = host_bytes(meta, "cpu"), host_bytes(full, "cpu")
+    assert need.optimizer_state == 8 * adapters and need.grads == 4 * adapters
+    assert need_full.optimizer_state == 8 * sum(p.numel() for p in full.parameters())
+    assert "plan" in plan_check(meta, cfg, torch.device("cpu"))
