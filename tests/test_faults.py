@@ -357,8 +357,8 @@ def test_resume_applies_safe_changes_and_refuses_the_others(finished, tiny_dir, 
     printed = capsys.readouterr().out
     assert "applied from here: learning_rate: 0.001 -> 0.0005" in printed
     rows = log_rows(out)
-    total, step = 6, 5   # linear decay without warmup: lr = base * (1 - step / total) after `step` steps
-    assert rows[4]["step"] == step and rows[4]["lr"] == pytest.approx(5e-4 * (1 - step / total))
+    total, step = 6, 5   # linear decay without warmup: step k uses lr = base * (1 - (k - 1) / total)
+    assert rows[4]["step"] == step and rows[4]["lr"] == pytest.approx(5e-4 * (1 - (step - 1) / total))
     # a finished run asked to train nothing more says so instead of reporting success
     with pytest.raises(ConfigError, match="nothing to train. Raise max_steps"):
         train(config(tiny_dir, tmp_path, dataset_dir=str(data), learning_rate=5e-4, **base), progress=False)

@@ -271,7 +271,7 @@ def test_schedule_state_is_json_and_restores_the_position():
 
 
 def test_trainer_logs_hugging_faces_schedule(tiny_dir, tmp_path, capsys):  # noqa: F811
-    """The trainer's logged lr (after each step, as HF logs it) is HF's cosine with warmup; the
+    """The trainer's logged lr (the one each step used, as HF logs it) is HF's cosine with warmup; the
     LLaMA-Factory keys it ignores are said once at the start."""
     from transformers import get_scheduler
     train_run(config(tiny_dir, tmp_path, lr_scheduler_type="cosine", warmup_steps=0.5, max_steps=4, save_steps=4,
@@ -280,9 +280,9 @@ def test_trainer_logs_hugging_faces_schedule(tiny_dir, tmp_path, capsys):  # noq
     assert printed.startswith("[megatrain] LLaMA-Factory keys deepspeed, ddp_timeout: ignored; megatrain trains on one "
                               "accelerator")
     assert printed.count("deepspeed") == 1
-    hf = _lrs(get_scheduler("cosine", _sgd(1e-3), num_warmup_steps=2, num_training_steps=4), 5)[1:]
-    assert [r["lr"] for r in log_rows(tmp_path / "out")] == pytest.approx(hf, rel=1e-12)
-    assert hf[0] == pytest.approx(5e-4) and hf[-1] == pytest.approx(0.0)
+    hf = _lrs(get_scheduler("cosine", _sgd(1e-3), num_warmup_steps=2, num_training_steps=4), 4)
+    assert [r["lr"] for r in log_rows(tmp_path / "out")] == pytest.approx(hf, rel=1e-12)   # each step's own lr
+    assert hf[0] == 0.0 and hf[1] == pytest.approx(5e-4) and hf[-1] > 0
 
 
 @pytest.mark.slow
@@ -293,7 +293,7 @@ def test_trainer_resume_applies_a_new_learning_rate_to_the_schedule(tiny_dir, tm
     base = dict(lr_scheduler_type="cosine", warmup_steps=2, max_steps=6, save_steps=3, learning_rate=1e-3)
     train_run(config(tiny_dir, tmp_path, **base), stop_at_step=3)
     train_run(config(tiny_dir, tmp_path, resume_from_checkpoint=True, **{**base, "learning_rate": 5e-4}))
-    hf = _lrs(get_scheduler("cosine", _sgd(1.0), num_warmup_steps=2, num_training_steps=6), 7)[1:]
+    hf = _lrs(get_scheduler("cosine", _sgd(1.0), num_warmup_steps=2, num_training_steps=6), 6)
     rows = log_rows(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert [r["lr"] for r in rows] == pytest.approx([1e-3 * f for f in hf[:3]] + [5e-4 * f for f in hf[3:]])

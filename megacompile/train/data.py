@@ -15,7 +15,8 @@
 sampled and mixed as it does (sources.py), tokenized through datasets.map with a cache on disk
 (tokenize_cache.py) and held as int32 arrays (examples.py). Alpaca records (instruction, input, output, optional system and history) and
 ShareGPT conversations (user/assistant turns, function_call/observation turns with a tools
-column, optional system) become chat messages, encoded turn by turn as LLaMA-Factory does
+column, optional system; system, history and tools columns only when mapped, as LLaMA-Factory)
+become chat messages, encoded turn by turn as LLaMA-Factory does
 (encode.py) with one of its templates (templates.py) or the tokenizer's own chat template
 (jinja_template.py). Labels are -100 on everything but the assistant replies (all of them, or
 the last with `mask_history`; everything with `train_on_prompt`); a conversation whose turns do
@@ -36,9 +37,15 @@ from .examples import IGNORE, Example, Examples
 from .registry import ATTR_KEYS, DataError, DatasetAttr, load_registry  # noqa: F401
 from .sources import FILE_TYPES, data_path, hub_reachable  # noqa: F401
 
-ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
-                  "history": "history", "images": "images", "tools": "tools"}
-SHAREGPT_COLUMNS = {"messages": "conversations", "system": "system", "images": "images", "tools": "tools"}
+# LLaMA-Factory's DatasetAttr defaults: the system, history and tools columns are read only when
+# dataset_info.json maps them (a record's unmapped "history" is not trained on, there as here:
+# tokenize_cache says so in the log). An unmapped "images" column is read (a deliberate
+# difference: LF would leave the <image> markers without images and refuse the record).
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": None,
+                  "history": None, "images": "images", "tools": None}
+SHAREGPT_COLUMNS = {"messages": "conversations", "system": None, "images": "images", "tools": None}
+#: the optional columns LLaMA-Factory reads only when they are mapped
+UNMAPPED_IGNORED = ("system", "history", "tools")
 SHAREGPT_TAGS = {"role_tag": "from", "content_tag": "value", "user_tag": "human", "assistant_tag": "gpt",
                  "observation_tag": "observation", "function_tag": "function_call", "system_tag": "system"}
 PT_COLUMNS = {"prompt": "text"}

@@ -210,7 +210,7 @@ def tokenized(config, tokenizer, template, images=None, say=print):
         loaded = None if config.overwrite_cache or images is not None else _cached(entry, say)
         if loaded is None:
             try:
-                _build(config, tokenizer, template, images, raws, tmp, key)
+                _build(config, tokenizer, template, images, raws, tmp, key, say)
                 if images is None:   # image data: see the module docstring
                     _publish(tmp, entry)
                 else:
@@ -263,7 +263,20 @@ def _load(attr: DatasetAttr, config):
     return load_source(attr, config.dataset_dir, config.allow_outside_dataset_dir, config.preprocessing_num_workers)
 
 
-def _build(config, tokenizer, template, images, raws, tmp: Path, key: str) -> None:
+def _say_unmapped(raw, attr: DatasetAttr, say) -> None:
+    """Says which of a data set's system/history/tools columns are not read because
+    dataset_info.json does not map them (LLaMA-Factory reads them only when mapped too)."""
+    from .data import UNMAPPED_IGNORED
+    if attr.formatting not in ("alpaca", "sharegpt"):
+        return
+    unread = [c for c in UNMAPPED_IGNORED if c in raw.column_names and c not in attr.columns]
+    if unread:
+        say(f"[megatrain] data set {attr.name!r}: column{'s' if len(unread) > 1 else ''} "
+            f"{', '.join(map(repr, unread))} not read (as in LLaMA-Factory, only columns mapped in dataset_info.json "
+            f"are): set columns: {{{', '.join(f'{c}: {c}' for c in unread)}}} there to use them.")
+
+
+def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=print) -> None:
     """Loads, samples, tokenizes and mixes the data sets into `tmp` (see _save)."""
     import numpy as np
 
@@ -275,6 +288,7 @@ def _build(config, tokenizer, template, images, raws, tmp: Path, key: str) -> No
     for k, name in enumerate(config.datasets):
         attr = _attr(config, name)
         raw = raws[name] if raws.get(name) is not None else _load(attr, config)
+        _say_unmapped(raw, attr, say)
         raw = select_records(raw, attr, config.max_samples, rng)
         records[name] = len(raw)
         part = raw.map(encode_batch, batched=True, remove_columns=raw.column_names, features=features(),

@@ -339,6 +339,7 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                 bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm});"
                           " the optimizer step is skipped, the weights are unchanged.")
             optimizer.zero_grad(set_to_none=True)
+            lr = scheduler.get_last_lr()[0]   # the lr this step used: HF logs it (taken before the scheduler moves)
             scheduler.step()
             state["step"] += 1
             seconds = time.perf_counter() - t0
@@ -346,7 +347,6 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             state["seconds"] += seconds
             window.append((loss, tokens, seconds,
                            sum(counter.example(ex) for b in picked for ex in b) if counter is not None else 0.0))
-            lr = scheduler.get_last_lr()[0]
             bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens / seconds:.0f}")
             bar.update(1)
             if state["step"] % config.logging_steps == 0 or state["step"] == total:
