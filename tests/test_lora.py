@@ -106,8 +106,8 @@ def test_only_the_adapters_get_masters_moments_and_gradients():
 
 
 def test_identical_layers_still_share_bodies():
-    """LoRA layers dedupe: the count of distinct layer bodies does not grow with depth (the
-    first layer's backward has no input gradient: the embeddings are frozen)."""
+    """LoRA layers dedupe: one forward body for every layer; two backward bodies (the first
+    layer's has no input gradient: the embeddings are frozen), at any depth."""
     counts = []
     for layers in (3, 6):
         torch._dynamo.reset()
@@ -118,7 +118,23 @@ def test_identical_layers_still_share_bodies():
         cmodel(input_ids=ids, labels=labels, use_cache=False).loss.backward()
         stats = megacompile.stats(cmodel)
         counts.append((stats["distinct_layer_bodies"], stats["distinct_backward_layer_bodies"]))
-    assert counts[0] == counts[1] and counts[0][0] <= 2 and counts[0][1] <= 3, counts
+    assert counts == [(1, 2), (1, 2)], counts
+
+
+def test_the_peft_wrapper_compiles_too():
+    """PeftModel itself (names under base_model.model.): capture finds the decoder stack and the
+    step matches eager. (The trainer compiles the model peft injected into, as LF trains it.)"""
+    from peft import LoraConfig, get_peft_model
+    torch.manual_seed(1)
+    model = get_peft_model(tiny_model("llama", layers=3), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    assert next(n for n, _ in model.named_parameters()).startswith("base_model.model.")
+    ref = copy.deepcopy(model)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ours = steps(cmodel, HostAdamW(trainable(model), lr=1e-2, weight_decay=0.0), 3)
+    theirs = steps(ref, torch.optim.AdamW(trainable(ref), lr=1e-2, weight_decay=0.0), 3)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
+    stats = megacompile.stats(cmodel)
+    assert stats["layers"] == 3 and stats["distinct_layer_bodies"] <= 2
 
 
 def test_bf16_lora_matches_an_fp32_master_reference():
@@ -127,9 +143,15 @@ def test_bf16_lora_matches_an_fp32_master_reference():
     assert model.model.layers[0].self_attn.q_proj.base_layer.weight.dtype == torch.bfloat16
     ref = Fp32MasterReference(copy.deepcopy(model), lr=1e-3)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
-    ours = steps(cmodel, HostAdamW(trainable(model), lr=1e-3, weight_decay=0.0), 3)
-    theirs = steps(ref, SimpleNamespace(step=ref.step, zero_grad=lambda: None), 3)
-    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=2e-2, atol=0)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    ours = steps(cmodel, HostAdamW(trainable(model), lr=1e-3, weight_decay=0.0), 4)
+    theirs = steps(ref, SimpleNamespace(step=ref.step, zero_grad=lambda: None), 4)
+    # test_parity.py's bf16 tolerances: bf16 rounding may flip an Adam update where the gradient
+    # is ~0, so elementwise at most 2 * steps * lr apart, and far closer on average
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1.6e-2, atol=1e-2)
+    diff = torch.cat([(p - m).detach().abs().flatten() for p, m in zip(trainable(model), ref.masters)])
+    assert diff.max() <= 2 * 4 * 1e-3 and diff.mean() < 2e-5, (diff.max(), diff.mean())
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
 def test_moe_lora_all_targets_the_linear_layers_only():
