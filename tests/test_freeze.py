@@ -94,7 +94,7 @@ def test_config_keys_and_resume():
 SHAPES = [(2, 8, 0), (2, 8, 2), (3, 11, 3), (2, 9, 1)]
 
 
-def _steps(call, params, opt, steps=4):
+def _steps(call, opt, steps=4):
     losses = []
     for i in range(steps):
         b, s, pad = SHAPES[i % len(SHAPES)]
@@ -103,7 +103,7 @@ def _steps(call, params, opt, steps=4):
         loss.backward()
         losses.append(loss.item())
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad()
     return losses
 
 
@@ -120,8 +120,8 @@ def test_frozen_model_trains_like_eager(family, layers, modules, extra):
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = HostAdamW(trained, lr=1e-2, weight_decay=0.0)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
-    ours = _steps(cmodel, trained, opt)
-    theirs = _steps(ref, None, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
+    ours = _steps(cmodel, opt)
+    theirs = _steps(ref, torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2,
                                                  weight_decay=0.0))
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-5, atol=0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -133,6 +133,28 @@ def test_frozen_model_trains_like_eager(family, layers, modules, extra):
             assert p.grad is None
     # AdamW holds moments for the trainable weights only
     assert {id(p) for p in opt.state} == {id(p) for p in trained}
+
+
+def test_bf16_freeze_updates_fp32_masters_of_the_trainable_weights_only():
+    """bf16 (LF's bf16 freeze run casts the trainable weights to fp32): the trainable weights
+    update fp32 masters as an fp32-master eager reference does; frozen ones stay bf16, unchanged."""
+    from conftest import Fp32MasterReference
+    model = tiny_family_model("llama", dtype=torch.bfloat16, num_hidden_layers=3)
+    start = copy.deepcopy(model.state_dict())
+    freeze(model, -1, "all", "norm")
+    ref = Fp32MasterReference(copy.deepcopy(model), lr=1e-3)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    ours = _steps(cmodel, HostAdamW(trained, lr=1e-3, weight_decay=1e-2), 3)
+    theirs = _steps(ref, ref, 3)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1.6e-2, atol=1e-2)
+    masters = iter(ref.masters)
+    for name, p in model.named_parameters():
+        if p.requires_grad:   # (bf16 rounding can flip an update where the gradient is ~0: <= 2 lr a step)
+            master = megacompile.master_weight(p)
+            assert master.dtype == torch.float32 and (master - next(masters)).abs().max() <= 6e-3, name
+        else:
+            assert p.dtype == torch.bfloat16 and torch.equal(p, start[name]) and entry_of(p).master is None, name
 
 
 def test_frozen_weights_have_no_master_and_send_no_gradient():
