@@ -61,9 +61,9 @@ def apply_finetuning(model: nn.Module, config) -> str | None:
         return None
     if method == "freeze":
         if is_vlm(model):   # (LF's freeze of a VLM also picks the vision side; megatrain's vision key does that)
-            raise ConfigError(f"finetuning_type: freeze with the vision-language model {model.config.model_type} is not "
-                              "supported yet: use finetuning_type: full (vision: frozen trains the language model "
-                              "only).")
+            raise ConfigError(f"finetuning_type: freeze with the vision-language model {model.config.model_type} is "
+                              "not supported yet: use finetuning_type: full (vision: frozen trains the language "
+                              "model only).")
         return freeze_tuning.freeze(model, config.freeze_trainable_layers, config.freeze_trainable_modules,
                                     config.freeze_extra_modules)
     if method == "lora":
