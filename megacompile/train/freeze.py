@@ -1,7 +1,7 @@
 """LLaMA-Factory's freeze tuning (`finetuning_type: freeze`): which parameters train.
 
     select(model, trainable_layers=2, modules="all", extra=None)
-      -> Selection(layers=range(2, 4), patterns=[".2.", ".3."], trainable=["model.layers.2...", ...])
+      -> Selection(layers=range(2, 4), patterns=(".2.", ".3."), trainable=("model.layers.2...", ...))
     freeze(model, 2, "mlp", "embed_tokens")   sets requires_grad, returns a one-line summary
 
 The selection is LLaMA-Factory 0.9.5's (model/adapter.py, _setup_freeze_tuning), checked against
