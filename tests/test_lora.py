@@ -165,7 +165,7 @@ def test_moe_lora_all_targets_the_linear_layers_only():
                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
     model = AutoModelForCausalLM.from_config(cfg).train()
     targets = lora.target_modules(model, "all")
-    assert {"q_proj", "k_proj", "v_proj", "o_proj"} <= set(targets) and "lm_head" not in targets
+    assert targets == ["k_proj", "o_proj", "q_proj", "v_proj"]   # LF 0.9.5's find_all_linear_modules says the same
     with_lora(model, lora_target="all")
     assert not any("experts" in n for n, p in model.named_parameters() if p.requires_grad)
     assert any(p.dim() == 3 for n, p in model.named_parameters() if "experts" in n and not p.requires_grad)
@@ -189,21 +189,36 @@ def test_lora_on_the_meta_model_and_bad_keys():
     assert any("lora_A" in n for n in names) and any("lm_head" in n for n in names)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(tiny_config("llama", 2))
+    # (LLaMA-Factory 0.9.5's find_all_linear_modules on this model: the same seven names)
+    assert lora.target_modules(meta, "all") == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj",
+                                                "v_proj"]
+    lora.apply_lora(meta, lora_config(lora_rank=4, lora_alpha=8, use_rslora=True, lora_target="q_proj"))
+    assert meta.model.layers[0].self_attn.q_proj.scaling["default"] == pytest.approx(8 / 4 ** 0.5)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(tiny_config("llama", 2))
     with pytest.raises(ConfigError, match="qproj is no module"):
         lora.apply_lora(meta, lora_config(lora_target="qproj"))
     for bad, match in [(dict(lora_rank=0), "lora_rank"), (dict(lora_dropout=1.0), "lora_dropout"),
                        (dict(lora_target="all,q_proj"), "give it alone"), (dict(lora_target="q_proj,"), "empty")]:
         with pytest.raises(ConfigError, match=match):
             lora.check_config(lora_config(**bad))
-    with pytest.raises(ConfigError, match="configure finetuning_type: lora"):
+    with pytest.raises(ConfigError, match="lora_rank=4 configures finetuning_type: lora"):
         lora.check_config(SimpleNamespace(**{**lora.LORA_KEYS, "finetuning_type": "full", "lora_rank": 4}))
 
 
-def test_lora_without_peft_is_one_line(monkeypatch):
+def test_lora_without_peft_is_one_line(tiny_dir, tmp_path, monkeypatch, capsys):
     import sys
-    monkeypatch.setitem(sys.modules, "peft", None)
+    from megacompile.cli import main
+    monkeypatch.setitem(sys.modules, "peft", None)   # (import peft raises ImportError)
     with pytest.raises(ConfigError, match=r"pip install 'megatrain\[lora\]'"):
         lora.check_config(lora_config())
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_dir}\ndataset: alpaca_demo\ndataset_dir: {Path(__file__).parent.parent}"
+                   f"/examples/data\noutput_dir: {tmp_path / 'out'}\nfinetuning_type: lora\ndevice: cpu\n")
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatrain: error:") and "needs peft" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
 
 
 def test_lf_lora_keys_map_or_refuse(tiny_dir, tmp_path):
@@ -220,43 +235,21 @@ def lora_run(tiny_dir, tmp_path, **kw):
     return config(tiny_dir, tmp_path, **{"finetuning_type": "lora", "lora_rank": 4, "lora_dropout": 0.1, **kw})
 
 
-def test_train_exports_the_adapter_and_the_merged_model(tiny_dir, tmp_path):
+def test_lora_run_resumes_bit_for_bit_and_exports_like_llama_factory(tiny_dir, tmp_path):
+    """An interrupted LoRA run resumed from checkpoint-2 (the base from model_name_or_path, the
+    adapter, moments and generators from the checkpoint; lora_dropout draws from them) ends
+    exactly as the uninterrupted one; output_dir holds the adapter, loadable with PeftModel, and
+    merge_lora's merged model; the model folder is never written."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     from megacompile.train.trainer import train
     before = {p.name: p.stat().st_mtime_ns for p in Path(tiny_dir).iterdir()}
-    cfg = lora_run(tiny_dir, tmp_path, max_steps=3, save_steps=3, merge_lora=True,
-                   additional_target="embed_tokens")
-    train(cfg, progress=False)
-    out = Path(cfg.output_dir)
-    assert {p.name: p.stat().st_mtime_ns for p in Path(tiny_dir).iterdir()} == before   # the model folder unwritten
-    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
-    assert (out / "tokenizer.json").is_file() and not (out / "model.safetensors").exists()
-    ckpt = out / "checkpoint-3"
-    masters = checkpoint.load_file(str(ckpt / "model.safetensors"))
-    assert masters and all("lora_" in n or "embed_tokens" in n for n in masters)   # only what trains
-    assert (ckpt / "adapter_model.safetensors").is_file()
-    ids = torch.tensor([[5, 9, 17, 33, 2, 7]])
-    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
-    untrained = base(input_ids=ids).logits
-    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
-    adapted = peft_model(input_ids=ids).logits
-    assert not torch.allclose(adapted, untrained)
-    for name, p in peft_model.named_parameters():   # the adapter holds the fp32 masters of the last step
-        key = name.removeprefix("base_model.model.")
-        if key in masters:
-            assert torch.equal(p, masters[key]), name
-    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
-    torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
-
-
-def test_lora_resume_is_bit_identical_to_the_uninterrupted_run(tiny_dir, tmp_path):
-    from megacompile.train.trainer import train
-    full = lora_run(tiny_dir, tmp_path / "full", max_steps=4, save_steps=2)
+    kw = dict(max_steps=4, save_steps=2, merge_lora=True, additional_target="embed_tokens")
+    full = lora_run(tiny_dir, tmp_path / "full", **kw)
     train(full, progress=False)
-    part = lora_run(tiny_dir, tmp_path / "part", max_steps=4, save_steps=2)
+    part = lora_run(tiny_dir, tmp_path / "part", **kw)
     train(part, stop_at_step=3, progress=False)   # interrupted after step 3 (checkpoint at 2)
-    resumed = lora_run(tiny_dir, tmp_path / "part", max_steps=4, save_steps=2, resume_from_checkpoint=True)
+    resumed = lora_run(tiny_dir, tmp_path / "part", resume_from_checkpoint=True, **kw)
     train(resumed, progress=False)
     ours, theirs = log_rows(Path(resumed.output_dir)), log_rows(Path(full.output_dir))
     assert [r["step"] for r in ours] == [1, 2, 3, 4]
@@ -264,25 +257,26 @@ def test_lora_resume_is_bit_identical_to_the_uninterrupted_run(tiny_dir, tmp_pat
     a = checkpoint.load_file(str(Path(full.output_dir) / "checkpoint-4" / "model.safetensors"))
     b = checkpoint.load_file(str(Path(resumed.output_dir) / "checkpoint-4" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    changed = lora_run(tiny_dir, tmp_path / "part", max_steps=6, save_steps=2, resume_from_checkpoint=True,
+    assert a and all("lora_" in n or "embed_tokens" in n for n in a)   # checkpoints hold only what trains
+    assert {p.name: p.stat().st_mtime_ns for p in Path(tiny_dir).iterdir()} == before   # the model folder unwritten
+
+    out = Path(resumed.output_dir)
+    assert (out / "adapter_model.safetensors").is_file() and (out / "adapter_config.json").is_file()
+    assert (out / "tokenizer.json").is_file() and not (out / "model.safetensors").exists()
+    assert (out / "checkpoint-4" / "adapter_model.safetensors").is_file()
+    ids = torch.tensor([[5, 9, 17, 33, 2, 7]])
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    untrained = base(input_ids=ids).logits
+    peft_model = PeftModel.from_pretrained(base, str(out)).eval()
+    adapted = peft_model(input_ids=ids).logits
+    assert not torch.allclose(adapted, untrained)
+    loaded = {n.removeprefix("base_model.model."): p for n, p in peft_model.named_parameters()}
+    for name, master in a.items():   # the adapter holds the fp32 masters of the last step
+        assert torch.equal(loaded[name], master), name
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged").eval()
+    torch.testing.assert_close(merged(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-5)
+
+    changed = lora_run(tiny_dir, tmp_path / "part", resume_from_checkpoint=True, **{**kw, "max_steps": 6},
                        lora_rank=8)
     with pytest.raises(ConfigError, match="lora_rank"):
         train(changed, progress=False)
-
-
-def test_preflight_and_plan_count_only_the_adapters(tiny_dir, tmp_path):
-    """On the meta model, as the trainer runs them before any weight loads: the host RAM for
-    masters' moments and gradients is the adapters', and the device plan works with peft."""
-    from megacompile.plan import host_bytes
-    from megacompile.train.model_source import ModelSource
-    from megacompile.train.preflight import plan_check
-    cfg = lora_run(tiny_dir, tmp_path, lora_target="all")
-    full = ModelSource(config(tiny_dir, tmp_path), torch.device("cpu")).meta_model()
-    meta = ModelSource(cfg, torch.device("cpu")).meta_model()
-    lora.apply_lora(meta, cfg)
-    adapters = sum(p.numel() for p in meta.parameters() if p.requires_grad)
-    assert adapters and all(p.device.type == "meta" for p in meta.parameters())
-    need, need_full = host_bytes(meta, "cpu"), host_bytes(full, "cpu")
-    assert need.optimizer_state == 8 * adapters and need.grads == 4 * adapters
-    assert need_full.optimizer_state == 8 * sum(p.numel() for p in full.parameters())
-    assert "plan" in plan_check(meta, cfg, torch.device("cpu"))

@@ -1,7 +1,7 @@
 """`finetuning_type: lora`: LLaMA-Factory's LoRA through peft, on the model megatrain compiles.
 
     check_config(config)           the lora_* keys: valid, and set only with finetuning_type: lora
-    apply_lora(model, config)      -> "[megatrain] lora: rank 8, alpha 16 on q_proj,v_proj: 81920 of ..."
+    apply_lora(model, config)      -> "[megatrain] lora: rank 8, alpha 16, dropout 0 on q_proj,v_proj: trains ..."
     is_lora(model)                 the model carries adapters (checkpoints then hold only what trains)
     save_adapter(model, folder)    adapter_model.safetensors + adapter_config.json (PeftModel.save_pretrained)
     merged_state_dict(model)       base weights + scaling * B @ A under the base model's names
@@ -49,8 +49,10 @@ def check_config(config) -> None:
     if config.finetuning_type != "lora":
         changed = [f"{k}={getattr(config, k)!r}" for k, default in LORA_KEYS.items() if getattr(config, k) != default]
         if changed:
-            raise ConfigError(f"{', '.join(changed)} configure finetuning_type: lora, but this config has "
-                              f"finetuning_type: {config.finetuning_type}: remove them or set finetuning_type: lora.")
+            one = len(changed) == 1
+            raise ConfigError(f"{', '.join(changed)} {'configures' if one else 'configure'} finetuning_type: lora, but "
+                              f"this config has finetuning_type: {config.finetuning_type}: remove "
+                              f"{'it' if one else 'them'} or set finetuning_type: lora.")
         return
     if not isinstance(config.lora_rank, int) or isinstance(config.lora_rank, bool) or config.lora_rank < 1:
         raise ConfigError(f"lora_rank={config.lora_rank!r}: give a positive integer (LLaMA-Factory's default is 8).")
@@ -132,7 +134,7 @@ def apply_lora(model: nn.Module, config) -> str:
                 p.data = p.data.to(torch.float32)
     count = sum(p.numel() for p in trained)
     total = sum(p.numel() for p in model.parameters())
-    return (f"lora: rank {config.lora_rank}, alpha {alpha:g}{' (rslora)' if config.use_rslora else ''}, dropout "
+    return (f"[megatrain] lora: rank {config.lora_rank}, alpha {alpha:g}{' (rslora)' if config.use_rslora else ''}, dropout "
             f"{config.lora_dropout:g} on {','.join(targets)}" + (f"; {','.join(additional)} in full" if additional
                                                                 else "")
             + f": trains {count} of {total} parameters ({100 * count / max(total, 1):.3f}%)")
