@@ -14,6 +14,11 @@
                       data fingerprint and the size of every other file
 config.json keeps the model's dtype: from_pretrained loads the fp32 masters into it (bf16 for a
 bf16 model), as the final export holds it.
+A LoRA run (finetuning_type: lora, lora.py) saves only what trains: model.safetensors holds the
+adapters' (and additional_target's) fp32 masters by parameter name, next to the adapter as peft
+writes it (adapter_model.safetensors, adapter_config.json; no config.json: it is no full model),
+and trainer.json says "weights": "trainable"; a resume takes the frozen base from
+model_name_or_path.
 
 Writing (`save`): into `checkpoint-N.tmp`, every file fsynced, renamed into place, the folder
 fsynced: a kill leaves either the complete new checkpoint or none. Saving a step that exists

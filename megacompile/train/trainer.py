@@ -11,7 +11,8 @@
               clip, skip non-finite steps (stop after max_consecutive_skipped_steps in a row),
               check the updated weights are finite, log (tqdm, JSONL with TFLOP/s and MFU: flops.py,
               trackers), evaluate when due (no-grad eval loss: evaluate.py), checkpoint (an HF folder)
-           -> HF model folder in output_dir (+ loss plot); a run that trained nothing fails
+           -> HF model folder in output_dir (LoRA: the adapter, and with merge_lora the merged
+              model in output_dir/merged; + loss plot); a run that trained nothing fails
 """
 from __future__ import annotations
 
