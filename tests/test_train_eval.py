@@ -78,7 +78,7 @@ def test_val_size_holds_out_the_records_llamafactory_holds_out(tiny_dir, tmp_pat
         examples, counts = build_examples(cfg, tok)
         split = eval_set(cfg, tok, None, examples, counts)
         assert len(split.examples) == held and len(split.train) == len(records) - held
-        assert "the same records" in split.note
+        assert "records LLaMA-Factory's split holds out" in split.note and split.train is examples
         # the records LF's split holds out, encoded on their own, are our eval examples, in order
         raw = datasets.load_dataset("json", data_files=str(EXAMPLES / "alpaca_demo.json"), split="train")
         lf = raw.train_test_split(
@@ -87,7 +87,8 @@ def test_val_size_holds_out_the_records_llamafactory_holds_out(tiny_dir, tmp_pat
             folder = tmp_path / f"{part}{val_size}"
             folder.mkdir()
             (folder / "d.json").write_text(json.dumps(lf[part].to_list()))
-            (folder / "dataset_info.json").write_text(json.dumps({"d": {"file_name": "d.json"}}))
+            (folder / "dataset_info.json").write_text(json.dumps({"d": {"file_name": "d.json",
+                                                                        "columns": {"history": "history"}}}))
             theirs, _ = build_examples(config(tiny_dir, tmp_path, dataset="d", dataset_dir=str(folder),
                                               cutoff_len=256), tok)
             assert [e.input_ids for e in ours] == [e.input_ids for e in theirs]
@@ -117,11 +118,10 @@ def test_eval_loss_is_eager_mean_loss_of_the_step_weights(eval_runs, tiny_dir): 
     out, _, cfg = eval_runs
     rows = [r for r in log_rows(out) if "eval_loss" in r]
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    examples, _ = build_examples(cfg, tok)
-    per_epoch = (len(examples) - cfg.val_size) // cfg.per_device_train_batch_size   # (the held-out ones not trained)
+    examples, counts = build_examples(cfg, tok)   # (the training examples: the held-out ones are not trained)
+    per_epoch = len(examples) // cfg.per_device_train_batch_size
     assert [(r["step"], r["epoch"]) for r in rows] == [(2, 2 / per_epoch), (4, 4 / per_epoch)]
-    _, held = holdout_indices(len(examples), cfg.val_size, cfg.seed)
-    held = [examples[i] for i in held]
+    held = list(counts["held_out"])
     for row in rows:   # each eval read the weights of its own step (the overlapped update was complete)
         model = AutoModelForCausalLM.from_pretrained(out / f"checkpoint-{row['step']}", dtype=torch.float32)
         assert row["eval_tokens"] == sum(e.trained_tokens for e in held)

@@ -31,7 +31,7 @@ from .report import REPORTS
 
 STAGES = ("sft", "pt")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over")
+MIX_STRATEGIES = ("concat", "interleave_under", "interleave_over", "interleave_once")
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 #: keys someone means when they write these (a close spelling is found by difflib)
 SYNONYMS = {"lr": "learning_rate", "batch_size": "per_device_train_batch_size",
@@ -83,14 +83,18 @@ class TrainConfig:
                                               "chat_template")
     cutoff_len: int = _key("data", 1024, "tokens per example; longer ones are cut")
     max_samples: int | None = _key("data", None, "use at most this many samples of each data set")
-    packing: bool = _key("data", False, "pack several sft samples into one example (positions restart per sample, "
-                                        "no attention across samples)")
+    packing: bool | None = _key("data", None, "pack samples into cutoff_len sequences (sft: positions restart per "
+                                              "sample, no attention across samples; pt: text cut into blocks); "
+                                              "none: true for stage pt, false for sft (LLaMA-Factory's default)")
     train_on_prompt: bool = _key("data", False, "train on the prompts too, not only on the replies")
     mask_history: bool = _key("data", False, "train only on the last reply of a conversation")
     default_system: str | None = _key("data", None, "the system prompt of conversations without one")
     enable_thinking: bool = _key("data", True, "reasoning templates (qwen3): false renders an empty think block")
+    preserve_thinking: bool = _key("data", False, "reasoning templates with mask_history: keep the earlier replies' "
+                                                  "thoughts instead of removing them")
     tool_format: str | None = _key("data", None, "tool-calling data: the tool format (none: the template's)")
-    mix_strategy: str = _key("data", "concat", "several data sets: concat, interleave_under or interleave_over")
+    mix_strategy: str = _key("data", "concat", "several data sets: concat, interleave_under, interleave_over or "
+                                                    "interleave_once")
     interleave_probs: str | None = _key("data", None, "comma-separated sampling probabilities for interleaving")
     disable_shuffling: bool = _key("data", False, "read the examples in order instead of a seeded permutation")
     preprocessing_num_workers: int | None = _key("data", None, "processes for tokenization")
@@ -246,7 +250,8 @@ class TrainConfig:
              f"mix_strategy={self.mix_strategy!r}: use one of {', '.join(MIX_STRATEGIES)}.")
         if self.interleave_probs is not None:
             need(self.mix_strategy != "concat", "interleave_probs is only for mix_strategy: interleave_under or "
-                                                "interleave_over (concat reads every data set whole).")
+                                                "interleave_over / interleave_once (concat reads every data set "
+                                                "whole).")
             try:
                 probs = [float(p) for p in str(self.interleave_probs).split(",")]
             except ValueError:

@@ -21,7 +21,11 @@ become chat messages, encoded turn by turn as LLaMA-Factory does
 (jinja_template.py). Labels are -100 on everything but the assistant replies (all of them, or
 the last with `mask_history`; everything with `train_on_prompt`); a conversation whose turns do
 not alternate or that ends on a prompt is skipped and counted. Pre-training text (`stage: pt`) is
-concatenated with EOS between documents and cut into `cutoff_len` blocks.
+processed as LLaMA-Factory does: each document gets the EOS text appended; with packing (its
+default for pt) the documents are concatenated and cut into `cutoff_len` blocks (the remainder
+dropped, the first token of each block BOS when the tokenizer has add_bos_token), without it each
+document is truncated to `cutoff_len` (BOS first with add_bos_token). As LF's collator for pt
+(DataCollatorForLanguageModeling), tokens equal to the pad token are not trained on.
 """
 from __future__ import annotations
 
@@ -161,7 +165,8 @@ def chat_template(tokenizer, template: str | None, config=None):
     from .encode import make_encoder
     opts = {} if config is None else dict(default_system=config.default_system, tool_format=config.tool_format,
                                           enable_thinking=config.enable_thinking,
-                                          train_on_prompt=config.train_on_prompt, mask_history=config.mask_history)
+                                          train_on_prompt=config.train_on_prompt, mask_history=config.mask_history,
+                                          preserve_thinking=config.preserve_thinking)
     return make_encoder(tokenizer, template, **opts)
 
 
@@ -177,11 +182,41 @@ def encode_chat(tokenizer, template, messages: list[dict], cutoff_len: int, trai
     return Example(ids, labels)
 
 
-def pretrain_tokens(tokenizer, text) -> list[int]:
-    """One pre-training document's tokens, EOS-terminated (documents are then concatenated and cut
-    into cutoff_len blocks: tokenize_cache.to_examples)."""
-    eos = tokenizer.eos_token_id
-    return tokenizer(_text(text), add_special_tokens=False)["input_ids"] + ([eos] if eos is not None else [])
+def pretrain_tokens(tokenizer, text, separator: str | None) -> list[int]:
+    """One pre-training document's tokens: its text with `separator` (pt_separator's) appended,
+    tokenized as one string without special tokens, as LLaMA-Factory's pretrain processor does.
+    Documents are then cut into blocks or truncated (tokenize_cache.to_examples)."""
+    return tokenizer(_text(text) + (separator or ""), add_special_tokens=False)["input_ids"]
+
+
+def pt_separator(tokenizer, template: str | None) -> str:
+    """The text LLaMA-Factory appends to every pre-training document: "<|end_of_text|>" with the
+    llama3 template, else the tokenizer's EOS after the template fixed it (a template with
+    replace_eos makes its first stop word EOS: encode.prepare_tokenizer does as LF)."""
+    from .encode import prepare_tokenizer
+    from .templates import get_template
+    if template is not None:
+        prepare_tokenizer(get_template(template), tokenizer)
+    if template == "llama3":
+        return "<|end_of_text|>"
+    if tokenizer.eos_token is None:   # (LF would add a new <|endoftext|> token the model has no embedding for)
+        raise DataError("stage pt: the tokenizer has no EOS token to separate the documents with: set template to "
+                        "one that names it (e.g. llama3, qwen) or use a tokenizer with an eos_token.")
+    return tokenizer.eos_token
+
+
+def packs(config) -> bool:
+    """Whether the examples are packed: `packing`, or when unset LLaMA-Factory's default, true
+    for stage pt (its parser) and false for sft."""
+    return config.packing if config.packing is not None else config.stage == "pt"
+
+
+def data_cutoff_len(config) -> int:
+    """The cutoff_len the data is encoded with. LLaMA-Factory's DataArguments lowers cutoff_len by
+    one when packing (or neat_packing) is set to true in the config (its __post_init__, "avoid
+    pad_to_multiple_of"), but not when stage pt turns packing on by default: the same here, so the
+    tokens match LF's in both cases."""
+    return config.cutoff_len - 1 if config.packing is True else config.cutoff_len
 
 
 def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, images=None) \
@@ -203,7 +238,7 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
                         "or drop the column.")
     if paths:
         messages, image_tokens = images.expand(messages, list(paths), name)
-    ex = encode_chat(tokenizer, template, messages, config.cutoff_len, config.train_on_prompt,
+    ex = encode_chat(tokenizer, template, messages, data_cutoff_len(config), config.train_on_prompt,
                      config.mask_history, record_tools(record, attr.columns, attr.formatting))
     if paths:
         ex.images = list(paths)
@@ -216,17 +251,33 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
 
 
 def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples, dict[str, int]]:
-    """Every example of the configured data sets (a compact `Examples` store), and counts
+    """Every training example of the configured data sets (a compact `Examples` store), and counts
     (samples, dropped, records per data set) for the log. The data sets are loaded, sampled and
     mixed as LLaMA-Factory does (sources.py) and tokenized through datasets.map with a cache on
-    disk (tokenize_cache.py). `images` (images.ImageInputs) handles a VLM's images."""
-    from .tokenize_cache import to_examples, tokenized
+    disk (tokenize_cache.py). `images` (images.ImageInputs) handles a VLM's images.
+
+    With `val_size`, the mixed records are split first, as LLaMA-Factory's split_dataset does
+    (train_test_split(test_size=val_size, seed=seed) before tokenization; a record that gives no
+    example still counts in the split), and each side becomes examples on its own (pt blocks and
+    packed sequences never mix the two): the held-out examples are counts["held_out"] and
+    counts["held_out_records"] the number of records they came from."""
+    from .tokenize_cache import tokenized
     check_datasets(config)
-    template = chat_template(tokenizer, config.template, config) if config.stage == "sft" else None
+    # stage pt: the "template" is the text between documents (the cache key holds it)
+    template = (chat_template(tokenizer, config.template, config) if config.stage == "sft"
+                else pt_separator(tokenizer, config.template))
     table, records = tokenized(config, tokenizer, template, images, say)
-    examples, dropped = to_examples(table, config.stage, config.cutoff_len)
-    counts = {"samples": len(table), "dropped": 0, "records": {n: records.get(n, "?") for n in config.datasets},
-              **dropped}
+    counts = {"samples": len(table), "dropped": 0, "records": {n: records.get(n, "?") for n in config.datasets}}
+    held = None
+    if config.val_size > 0:
+        from .evaluate import holdout_indices
+        train_rows, eval_rows = holdout_indices(len(table), config.val_size, config.seed)
+        held, held_dropped = _examples_of(table.select(eval_rows), config, tokenizer)
+        table = table.select(train_rows)
+    examples, dropped = _examples_of(table, config, tokenizer)
+    if held is not None:
+        dropped = dropped + held_dropped
+    counts.update(dropped)
     if not examples:
         raise DataError(f"no training examples: {counts['samples']} samples, {counts['dropped']} dropped because "
                         f"cutoff_len={config.cutoff_len} left no reply tokens"
@@ -236,14 +287,36 @@ def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples,
                            "or end on a prompt (check the tags in dataset_info.json)" if counts.get("malformed")
                            else "")
                         + (f" (stage pt: fewer than cutoff_len={config.cutoff_len} tokens of text)"
-                           if config.stage == "pt" else "") + ".")
-    if config.packing and config.stage == "sft":   # (pt text is already concatenated into blocks)
+                           if config.stage == "pt" else "")
+                        + (f" ({len(eval_rows)} records held out by val_size={config.val_size:g})" if held is not None
+                           else "") + ".")
+    if held is not None:
+        if not held:
+            raise DataError(f"val_size={config.val_size:g} holds out {len(eval_rows)} records that give no example "
+                            f"(dropped, skipped or, for stage pt, fewer than cutoff_len={config.cutoff_len} tokens): "
+                            "raise val_size.")
+        counts["held_out"], counts["held_out_records"] = held, len(eval_rows)
+    if packs(config) and config.stage == "sft":
+        counts["packed_from"] = getattr(examples, "packed_from", len(examples))
+    return examples, counts
+
+
+def _examples_of(table, config, tokenizer):
+    """(Examples, dropped counts) of a tokenized table: to_examples, then sft packing."""
+    from collections import Counter
+
+    from .tokenize_cache import to_examples
+    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None   # (LF reads the same)
+    examples, dropped = to_examples(table, config.stage, data_cutoff_len(config), packs(config), bos,
+                                    tokenizer.pad_token_id)
+    if packs(config) and config.stage == "sft" and examples:   # (pt text is already concatenated into blocks)
         if examples.images:
             raise DataError("packing: true with image data: packed samples would share image positions. "
                             "Set packing: false.")
-        counts["packed_from"] = len(examples)
-        examples = pack(examples, config.cutoff_len, config.seed)
-    return examples, counts
+        n = len(examples)
+        examples = pack(examples, data_cutoff_len(config), config.seed)
+        examples.packed_from = n
+    return examples, Counter(dropped)
 
 
 def fingerprint(examples: list[Example]) -> str:

@@ -130,7 +130,10 @@ def encode_turns(template: Template, tokenizer, turns: list[dict], system: str =
     """(prompt ids, reply ids) per turn. Reasoning templates: without a thought block in a reply,
     an empty one is added, to the prompt (not trained) when enable_thinking is false or to the
     reply otherwise; enable_thinking false also removes the replies' thoughts, and mask_history
-    removes them from every turn but the last (only the last is encoded with a thought)."""
+    removes them from every turn but the last (only the last is encoded with a thought), unless
+    the template has preserve_thinking (LLaMA-Factory's "discarding_history_cot" is exactly
+    mask_history and not preserve_thinking)."""
+    mask_history = mask_history and not template.preserve_thinking
     if template.reasoning:
         turns = [dict(m) for m in turns]
         replies = range(1, len(turns), 2)
@@ -286,7 +289,7 @@ def check_options(config) -> None:
 
 def make_encoder(tokenizer, template: str | None, default_system: str | None = None, tool_format: str | None = None,
                  enable_thinking: bool = True, train_on_prompt: bool = False,
-                 mask_history: bool = False) -> ChatEncoder:
+                 mask_history: bool = False, preserve_thinking: bool = False) -> ChatEncoder:
     """The run's ChatEncoder for `template` (a LLaMA-Factory name, or None: the tokenizer's
     chat_template) with LLaMA-Factory's options; fixes the tokenizer for it (prepare_tokenizer).
     Everything is checked here, before the model loads: the template name, the tool format,
@@ -311,7 +314,7 @@ def make_encoder(tokenizer, template: str | None, default_system: str | None = N
             marked, t = jinja, Template("chat_template", (CONTENT,), (CONTENT,), (CONTENT,), (CONTENT,), (CONTENT,))
         else:
             t = parse_chat_template(tokenizer, jinja)
-    t = t.configured(default_system, tool_format, enable_thinking)
+    t = t.configured(default_system, tool_format, enable_thinking, preserve_thinking)
     if train_on_prompt and t.efficient_eos:
         raise DataError(f"template {t.name} has efficient_eos and cannot train on the prompt (LLaMA-Factory "
                         "refuses it too): set train_on_prompt: false.")

@@ -78,16 +78,16 @@ class EvalSet:
 
 
 def holdout_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train indices, eval indices) of `n` items, as LLaMA-Factory's split_dataset chooses them:
+    """(train indices, eval indices) of `n` records, as LLaMA-Factory's split_dataset chooses them:
     `datasets.Dataset.train_test_split(test_size=val_size, seed=seed)` (a fraction rounds the eval
-    count up; a count above 1 is a number of items). Called on an index column, so the very same
+    count up; a count above 1 is a number of records). Called on an index column, so the very same
     permutation picks the same rows that LLaMA-Factory holds out of the same records."""
     import datasets
     test_size: float | int = int(val_size) if val_size >= 1 else float(val_size)
     count = test_size if isinstance(test_size, int) else math.ceil(test_size * n)
     if count >= n:
-        raise ConfigError(f"val_size={val_size} holds out {count} of the {n} training examples, leaving none to "
-                          "train on: lower val_size.")
+        raise ConfigError(f"val_size={val_size} holds out {count} of the {n} records, leaving none to train on: "
+                          "lower val_size.")
     split = datasets.Dataset.from_dict({"i": list(range(n))}).train_test_split(test_size=test_size, seed=seed)
     return list(split["train"]["i"]), list(split["test"]["i"])
 
@@ -95,23 +95,17 @@ def holdout_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list
 def eval_set(config, tokenizer, images, examples: list, counts: dict) -> EvalSet:
     """The training examples and the eval examples of a run.
 
-    `val_size`: LLaMA-Factory splits the raw records (after max_samples and merging the data
-    sets, before tokenization); here the split is over the examples `build_examples` made, with
-    the same permutation. That is the same records exactly when every record made one example
-    (stage sft, no packing, none dropped by cutoff_len): otherwise the log says the split was
-    over examples (packed sequences or pt blocks are held out whole).
+    `val_size`: build_examples split the mixed records as LLaMA-Factory does (before
+    tokenization, with its permutation) and made the examples of each side: `examples` are the
+    training ones, counts["held_out"] the eval ones.
     `eval_dataset`: those data sets, encoded as the training data is (same template, cutoff_len,
     packing, max_samples), as LLaMA-Factory does.
     """
     if config.val_size > 0:
-        train_idx, eval_idx = holdout_indices(len(examples), config.val_size, config.seed)
-        exact = (config.stage == "sft" and not config.packing and len(examples) == counts.get("samples"))
-        where = ("the same records LLaMA-Factory's split holds out" if exact else
-                 f"split over the {len(examples)} examples, not the raw records as LLaMA-Factory does, since "
-                 "records were packed, chunked or dropped")
-        return EvalSet([examples[i] for i in train_idx], [examples[i] for i in eval_idx],
-                       f"evaluation: {len(eval_idx)} of {len(examples)} examples held out by val_size="
-                       f"{config.val_size:g} ({where})")
+        held = counts["held_out"]
+        return EvalSet(examples, held, f"evaluation: {len(held)} examples from the {counts['held_out_records']} of "
+                                       f"{counts['samples']} records held out by val_size={config.val_size:g} (the "
+                                       "records LLaMA-Factory's split holds out)")
     if config.eval_dataset:
         fields = {f.name for f in dataclasses.fields(config)}
         # the eval data sets through the training data's own path; not through a tokenized

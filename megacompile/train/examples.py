@@ -36,8 +36,11 @@ class Examples(Sequence):
     """A read-only sequence of Examples over flat int32 arrays; `starts[i]:ends[i]` is example i."""
 
     def __init__(self, ids: np.ndarray, labels: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-                 positions: np.ndarray | None = None, images: list | None = None):
+                 positions: np.ndarray | None = None, images: list | None = None, unlabelled: int | None = None):
         self.ids, self.labels, self.positions, self.images = ids, labels, positions, images
+        # a token id whose labels are IGNORE when read (stage pt: the pad token, as LLaMA-Factory's
+        # collator masks it), so the labels can share the tokens' array
+        self.unlabelled = unlabelled
         self.starts, self.ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
 
     @classmethod
@@ -61,7 +64,10 @@ class Examples(Sequence):
         if isinstance(i, slice):
             return self.select(range(len(self))[i])
         s, e = int(self.starts[i]), int(self.ends[i])
-        return Example(self.ids[s:e].tolist(), self.labels[s:e].tolist(),
+        labels = self.labels[s:e]
+        if self.unlabelled is not None:
+            labels = np.where(self.ids[s:e] == self.unlabelled, IGNORE, labels)
+        return Example(self.ids[s:e].tolist(), labels.tolist(),
                        None if self.positions is None else self.positions[s:e].tolist(),
                        None if self.images is None else (list(self.images[i]) if self.images[i] else None))
 
@@ -69,7 +75,7 @@ class Examples(Sequence):
         """The examples at `indices`, sharing this store's arrays."""
         idx = np.asarray(list(indices), dtype=np.int64)
         return Examples(self.ids, self.labels, self.starts[idx], self.ends[idx], self.positions,
-                        None if self.images is None else [self.images[k] for k in idx])
+                        None if self.images is None else [self.images[k] for k in idx], self.unlabelled)
 
     def lengths(self) -> np.ndarray:
         return self.ends - self.starts

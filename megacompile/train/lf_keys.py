@@ -142,7 +142,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "crop_to_patches": ((False,), _NOT_YET),
     "use_kt": ((False,), "KTransformers is " + _NOT_YET),
     "eval_on_each_dataset": ((False,), "evaluation reports one loss over all eval data sets for now"),
-    "preserve_thinking": ((False,), _NOT_YET),
     "use_llama_pro": ((False,), "LLaMA Pro block expansion is " + _NOT_YET),
     "use_adam_mini": ((False,), "megatrain's optimizer is AdamW on the host (runtime/adamw.py)"),
     "use_galore": ((False,), "megatrain's optimizer is AdamW on the host (runtime/adamw.py)"),
@@ -248,7 +247,7 @@ def _map(key: str, value: Any, mapping: dict[str, Any], out: Translated) -> None
 def translate(mapping: dict[str, Any], known: set[str]) -> Translated:
     """Sort a config's keys: megatrain's own (`known`) pass through, LLaMA-Factory's are mapped,
     noted or refused, the rest are unknown. LLaMA-Factory's `packing: null` (its default: on for
-    stage pt) is dropped: megatrain's pt stage always chunks its text."""
+    stage pt) is megatrain's default too, so the key is dropped."""
     out = Translated()
     noted: dict[str, list[str]] = {}
     for key, value in mapping.items():

@@ -4,7 +4,7 @@
     raw = load_source(attr, config)               # a datasets.Dataset of the entry's records
     raw = sample(raw, attr.num_samples, rng)      # LF's permutation (+ oversampling), LF's seed
     raw = raw.select(range(min(max_samples, n)))  # per data set, after sampling, as LF
-    mixed = mix([tokenized_a, tokenized_b], ...)  # concat / interleave_under / interleave_over
+    mixed = mix([tokenized_a, tokenized_b], ...)  # concat / interleave_under / _over / _once
 
 The sampling draws from one `numpy.random.RandomState(seed)` shared by the data sets in their
 configured order: LLaMA-Factory seeds NumPy's global generator with `seed` (transformers.set_seed)
@@ -23,7 +23,10 @@ from .registry import DataError, DatasetAttr, env_enabled
 # LLaMA-Factory's FILEEXT2TYPE: `.txt` is one text per line (datasets' "text" builder, column "text")
 FILE_TYPES = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow",
               ".txt": "text"}
-MIX_STRATEGIES = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted"}
+# datasets' stopping strategies, as LLaMA-Factory 0.9.5 maps them (interleave_once needs datasets >= 4.1:
+# every record of every set exactly once, in a seeded interleaving)
+MIX_STRATEGIES = {"interleave_under": "first_exhausted", "interleave_over": "all_exhausted",
+                  "interleave_once": "all_exhausted_without_replacement"}
 
 
 def data_files(path: Path) -> tuple[str, list[str]]:
@@ -158,8 +161,8 @@ def parse_probs(text: str | None, count: int, strategy: str) -> list[float] | No
     if text is None:
         return None
     if strategy not in MIX_STRATEGIES:
-        raise DataError(f"interleave_probs={text!r} is only used with mix_strategy interleave_under or "
-                        f"interleave_over (mix_strategy is {strategy!r}).")
+        raise DataError(f"interleave_probs={text!r} is only used with mix_strategy interleave_under, "
+                        f"interleave_over or interleave_once (mix_strategy is {strategy!r}).")
     try:
         probs = [float(p) for p in str(text).split(",")]
     except ValueError:
@@ -174,14 +177,14 @@ def parse_probs(text: str | None, count: int, strategy: str) -> list[float] | No
 def mix(parts: list, strategy: str, probs: list[float] | None, seed: int):
     """LLaMA-Factory's merge_dataset: one part as is; concat; or interleave with `seed`, stopping
     when the first set is exhausted (interleave_under) or when all are, repeating the shorter
-    ones (interleave_over)."""
+    ones (interleave_over), or each record of every set exactly once (interleave_once)."""
     import datasets
     if len(parts) == 1:
         return parts[0]
     if strategy == "concat":
         return datasets.concatenate_datasets(parts)
     if strategy not in MIX_STRATEGIES:
-        raise DataError(f"mix_strategy={strategy!r}: use concat, interleave_under or interleave_over.")
+        raise DataError(f"mix_strategy={strategy!r}: use concat, {', '.join(MIX_STRATEGIES)}.")
     return datasets.interleave_datasets(parts, probabilities=probs, seed=seed,
                                         stopping_strategy=MIX_STRATEGIES[strategy])
 

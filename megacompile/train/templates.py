@@ -61,11 +61,12 @@ class Template:
     system_in_user: bool = False
     reasoning: bool = False
     enable_thinking: bool = True
+    preserve_thinking: bool = False    # mask_history keeps the earlier replies' thoughts (LF's preserve_thinking)
     tools_slot: tuple | None = None    # phi4_mini: the tool text in its own slot, not a tool format
     replace_jinja: bool = False        # the tokenizer's chat_template is replaced by this template's
 
     def configured(self, default_system: str | None = None, tool_format: str | None = None,
-                   enable_thinking: bool = True) -> "Template":
+                   enable_thinking: bool = True, preserve_thinking: bool = False) -> "Template":
         """This template with a run's options, as LLaMA-Factory's get_template_and_fix_tokenizer
         applies them: `tool_format` replaces the function slot with the plain one
         (``{{content}}`` + EOS, not the template's own end marker: LLaMA-Factory does exactly this)."""
@@ -76,7 +77,7 @@ class Template:
         if default_system is not None:
             t = replace(t, default_system=default_system)
         if t.reasoning:
-            t = replace(t, enable_thinking=enable_thinking)
+            t = replace(t, enable_thinking=enable_thinking, preserve_thinking=preserve_thinking)
         return t
 
 

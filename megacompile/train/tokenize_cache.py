@@ -1,7 +1,7 @@
 """Tokenization through `datasets.map`, cached on disk, read back as compact `Examples`.
 
     table, records = tokenized(config, tokenizer, template, images)   # records: {data set: records}
-    examples, dropped = to_examples(table, config.stage, config.cutoff_len)
+    examples, dropped = to_examples(table, config.stage, cutoff_len, packs, bos_id, pad_id)
 
 Each selected data set is loaded (sources.py), sampled (`num_samples`, `max_samples`),
 tokenized by `datasets.map` over `preprocessing_num_workers` processes (the per-record function
@@ -40,7 +40,7 @@ META = "megatrain_tokenized.json"
 # config keys that do not change the examples (everything else is part of the cache key, so a key
 # added later is safe by default)
 TRAINING_ONLY = {
-    "model_name_or_path", "trust_remote_code", "torch_dtype", "num_layers", "vision", "packing", "disable_shuffling",
+    "model_name_or_path", "trust_remote_code", "torch_dtype", "num_layers", "vision", "disable_shuffling",
     "preprocessing_num_workers", "tokenized_path", "overwrite_cache", "do_eval", "val_size", "eval_dataset",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "per_device_train_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
@@ -81,7 +81,7 @@ def encode_batch(batch: dict[str, list], attr: DatasetAttr, config, tokenizer, t
             raise DataError(f"data set {attr.name!r} (pt): records have no {column!r} column (has {names}); set "
                             "columns.prompt.")
         for record in records:
-            ids = pretrain_tokens(tokenizer, record[column])
+            ids = pretrain_tokens(tokenizer, record[column], template)   # (template: the separator text)
             out["input_ids"].append(ids), out["labels"].append(ids), out["images"].append([]), out["drop"].append("")
         return out
     for record in records:
@@ -349,9 +349,15 @@ def _load_tokenized_path(path: Path, say):
     return table, records
 
 
-def to_examples(table, stage: str, cutoff_len: int):
-    """The Examples of a tokenized table and the counts of dropped records by reason. `stage: pt`
-    documents are concatenated (in the mixed order) and cut into cutoff_len blocks."""
+def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id: int | None = None,
+                pad_id: int | None = None):
+    """The Examples of a tokenized table and the counts of dropped records by reason.
+
+    `stage: pt` as LLaMA-Factory's pretrain processor: with `packing` the documents are
+    concatenated (in the mixed order) and cut into cutoff_len blocks, the remainder dropped, and
+    with `bos_id` (a tokenizer with add_bos_token) each block's first token becomes BOS; without
+    it each document is one example, BOS first (with `bos_id`) and truncated to cutoff_len.
+    Tokens equal to `pad_id` get no label (LF's DataCollatorForLanguageModeling)."""
     import numpy as np
     import pyarrow as pa
 
@@ -368,11 +374,25 @@ def to_examples(table, stage: str, cutoff_len: int):
     ids, offsets = flat("input_ids")
     drops = table.data.column("drop").to_pylist() if "drop" in table.column_names else [""] * len(table)
     dropped = Counter(d for d in drops if d)
-    if stage == "pt":
+    if stage == "pt" and packing:
         n = len(ids) // cutoff_len
         starts = np.arange(n, dtype=np.int64) * cutoff_len
-        stream = np.ascontiguousarray(ids[: n * cutoff_len])   # a copy: the remainder is not kept
-        return Examples(stream, stream, starts, starts + cutoff_len), dropped
+        stream = np.array(ids[: n * cutoff_len], dtype=np.int32)   # a copy: the remainder is not kept
+        if bos_id is not None:
+            stream[starts] = bos_id
+        return Examples(stream, stream, starts, starts + cutoff_len, unlabelled=pad_id), dropped
+    if stage == "pt":
+        lengths = np.diff(offsets)
+        if bos_id is not None:   # BOS before each document, then the truncation
+            stream = np.insert(ids, offsets[:-1], bos_id).astype(np.int32)
+            offsets = offsets + np.arange(len(offsets))
+            lengths = lengths + 1
+        else:
+            stream = ids
+        keep = np.flatnonzero(lengths > 0)
+        starts = offsets[:-1][keep]
+        return Examples(stream, stream, starts, starts + np.minimum(lengths[keep], cutoff_len),
+                        unlabelled=pad_id), dropped
     labels, _ = flat("labels")
     keep = np.array([not d for d in drops], dtype=bool)
     idx = np.flatnonzero(keep)

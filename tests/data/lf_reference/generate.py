@@ -73,6 +73,11 @@ def cases() -> list[dict]:
                    ("default", "glm4_moe")]:
         out.append(dict(template=t, datasets=["glaive_toolcall_en_demo"], tool_format=fmt))
     out.append(dict(template="qwen", datasets=["glaive_toolcall_en_demo"], cutoff_len=50, mask_history=True))
+    # preserve_thinking: mask_history keeps the earlier replies' thoughts
+    for t in ["qwen3", "deepseekr1"]:
+        out.append(dict(template=t, datasets=["sharegpt_multiturn"], mask_history=True, preserve_thinking=True))
+    out.append(dict(template=None, chat_template=QWEN3_LIKE, datasets=["sharegpt_multiturn"], mask_history=True,
+                    preserve_thinking=True))
     return out
 
 
