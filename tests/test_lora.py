@@ -280,3 +280,36 @@ def test_lora_run_resumes_bit_for_bit_and_exports_like_llama_factory(tiny_dir, t
                        lora_rank=8)
     with pytest.raises(ConfigError, match="lora_rank"):
         train(changed, progress=False)
+
+
+def test_preflight_and_plan_count_only_the_adapters(tiny_dir, tmp_path):
+    """On the meta model, as the trainer runs them before any weight loads: the host RAM for
+    moments and gradients is the adapters', and the device plan works with peft."""
+    from megacompile.plan import host_bytes
+    from megacompile.train.model_source import ModelSource
+    from megacompile.train.preflight import plan_check
+    cfg = lora_run(tiny_dir, tmp_path, lora_target="all")
+    full = ModelSource(config(tiny_dir, tmp_path), torch.device("cpu")).meta_model()
+    meta = ModelSource(cfg, torch.device("cpu")).meta_model()
+    lora.apply_lora(meta, cfg)
+    adapters = sum(p.numel() for p in meta.parameters() if p.requires_grad)
+    assert adapters and all(p.device.type == "meta" for p in meta.parameters())
+    need, need_full = host_bytes(meta, "cpu"), host_bytes(full, "cpu")
+    assert need.optimizer_state == 8 * adapters and need.grads == 4 * adapters
+    assert need_full.optimizer_state == 8 * sum(p.numel() for p in full.parameters())
+    assert "plan" in plan_check(meta, cfg, torch.device("cpu"))
+
+
+def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
+    import re
+    from megacompile.cli import main
+    from megacompile.plan import _fmt
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(f"model_name_or_path: {tiny_dir}\ndataset: alpaca_demo\ndataset_dir: {Path(__file__).parent.parent}"
+                   f"/examples/data\noutput_dir: {tmp_path / 'out'}\nfinetuning_type: lora\nlora_target: q_proj\n"
+                   "cutoff_len: 64\ndevice: cpu\n")
+    assert main(["plan", str(cfg), "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    adapters = 2 * (8 * 32 + 32 * 8)   # rank 8 on q_proj (32 -> 32) of 2 layers
+    assert re.search(rf"fp32 master weights +{re.escape(_fmt(4 * adapters))}\n", out), out
+    assert re.search(rf"optimizer state \(AdamW\) +{re.escape(_fmt(8 * adapters))}\n", out), out
