@@ -308,7 +308,7 @@ def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
     cfg.write_text(f"model_name_or_path: {tiny_dir}\ndataset: alpaca_demo\ndataset_dir: {Path(__file__).parent.parent}"
                    f"/examples/data\noutput_dir: {tmp_path / 'out'}\nfinetuning_type: lora\nlora_target: q_proj\n"
                    "cutoff_len: 64\ndevice: cpu\n")
-    assert main(["plan", str(cfg), "--gpu", "cpu"]) == 0
+    assert main(["plan", str(cfg), "--gpu", "h200", "--host-ram", "1T", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     adapters = 2 * (8 * 32 + 32 * 8)   # rank 8 on q_proj (32 -> 32) of 2 layers
     assert re.search(rf"fp32 master weights +{re.escape(_fmt(4 * adapters))}\n", out), out
