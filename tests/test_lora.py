@@ -198,6 +198,8 @@ def test_lora_on_the_meta_model_and_bad_keys():
         meta = AutoModelForCausalLM.from_config(tiny_config("llama", 2))
     with pytest.raises(ConfigError, match="qproj is no module"):
         lora.apply_lora(meta, lora_config(lora_target="qproj"))
+    lora.apply_lora(meta, lora_config(lora_target="self_attn.q_proj"))   # (peft matches a name's end)
+    assert any("q_proj.lora_A" in n for n, p in meta.named_parameters() if p.requires_grad)
     for bad, match in [(dict(lora_rank=0), "lora_rank"), (dict(lora_dropout=1.0), "lora_dropout"),
                        (dict(lora_target="all,q_proj"), "give it alone"), (dict(lora_target="q_proj,"), "empty")]:
         with pytest.raises(ConfigError, match=match):
@@ -219,6 +221,25 @@ def test_lora_without_peft_is_one_line(tiny_dir, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("megatrain: error:") and "needs peft" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_merged_model_of_a_tied_head_trained_in_full(tmp_path):
+    """Qwen3 ties lm_head to embed_tokens; additional_target: lm_head trains a copy of it, so the
+    merged model must not tie them again when it loads."""
+    from transformers import AutoModelForCausalLM
+    model = with_lora(tiny_model("qwen3", layers=2), lora_target="all", additional_target="lm_head")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    ids, _, _ = batch(1, 8)
+    lora.save_merged(model, tmp_path / "merged")
+    # (transformers 5 loads a stored lm_head untied anyway; other loaders tie by the config)
+    assert __import__("json").loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is False
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    torch.testing.assert_close(merged(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    assert not any("lora_" in n or "base_layer" in n or "modules_to_save" in n for n, _ in merged.named_parameters())
 
 
 def test_lf_lora_keys_map_or_refuse(tiny_dir, tmp_path):

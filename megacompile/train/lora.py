@@ -19,6 +19,7 @@ parameters are upcast to fp32 (LF does so unless pure_bf16; megatrain keeps fp32
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -93,9 +94,10 @@ def target_modules(model: nn.Module, lora_target) -> list[str]:
 
 
 def _check_names(model: nn.Module, key: str, names: list[str]) -> None:
-    """Every name must match some module: peft's own error for a typo is a traceback."""
-    leaves = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()} | {n for n, _ in model.named_modules()}
-    missing = [n for n in names if n not in leaves]
+    """Every name must match some module as peft matches it (the module's name or its end after a
+    dot, e.g. q_proj or self_attn.q_proj): peft's own error for a typo is a traceback."""
+    modules = [n for n, _ in model.named_modules()]
+    missing = [t for t in names if not any(n == t or n.endswith(f".{t}") for n in modules)]
     if missing:
         known = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"{key}: {', '.join(missing)} is no module of {model.config.model_type} (its linear "
@@ -196,8 +198,15 @@ def save_merged(model: nn.Module, folder: Path, saver=None) -> None:
     folder.mkdir(parents=True)
     tensors = merged_state_dict(model)
     tied = getattr(model.config, "tie_word_embeddings", False) and getattr(model, "_tied_weights_keys", None)
-    if tied and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors \
-            and torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
-        del tensors["lm_head.weight"]   # (a tied head is stored once, as save_pretrained does)
+    untie = False
+    if tied and "lm_head.weight" in tensors and "model.embed_tokens.weight" in tensors:
+        if torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+            del tensors["lm_head.weight"]   # (a tied head is stored once, as save_pretrained does)
+        else:   # additional_target trained one of the two: from_pretrained must not tie them again
+            untie = True
     _write_weights({k: v.contiguous() for k, v in tensors.items()}, folder)
     _write_model_files(model, saver, folder)
+    if untie:
+        saved = json.loads((folder / "config.json").read_text())
+        saved["tie_word_embeddings"] = False
+        (folder / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
