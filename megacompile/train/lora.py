@@ -125,7 +125,7 @@ def apply_lora(model: nn.Module, config) -> str:
                              use_rslora=bool(config.use_rslora), modules_to_save=additional)
     if getattr(config, "seed", None) is not None:
         # lora_A's init and then lora_dropout's masks draw from torch's generator: seeded here, so
-        # they depend on `seed` only, not on what ran before (a tokenize cache hit draws less)
+        # they depend on `seed` only, not on what loading the data and the model drew before
         torch.manual_seed(config.seed)
     wrapper = get_peft_model(model, peft_config)   # (injects into `model`; the wrapper only saves)
     object.__setattr__(model, _WRAPPER, wrapper)
@@ -136,10 +136,10 @@ def apply_lora(model: nn.Module, config) -> str:
                 p.data = p.data.to(torch.float32)
     count = sum(p.numel() for p in trained)
     total = sum(p.numel() for p in model.parameters())
-    return (f"[megatrain] lora: rank {config.lora_rank}, alpha {alpha:g}{' (rslora)' if config.use_rslora else ''}, dropout "
-            f"{config.lora_dropout:g} on {','.join(targets)}" + (f"; {','.join(additional)} in full" if additional
-                                                                else "")
-            + f": trains {count} of {total} parameters ({100 * count / max(total, 1):.3f}%)")
+    extra = f"; {','.join(additional)} in full" if additional else ""
+    return (f"[megatrain] lora: rank {config.lora_rank}, alpha {alpha:g}{' (rslora)' if config.use_rslora else ''}, "
+            f"dropout {config.lora_dropout:g} on {','.join(targets)}{extra}: trains {count} of {total} parameters "
+            f"({100 * count / max(total, 1):.3f}%)")
 
 
 def is_lora(model: nn.Module) -> bool:
