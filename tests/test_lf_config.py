@@ -168,7 +168,7 @@ def test_mapped_keys():
 
 
 @pytest.mark.parametrize("mapping, match", [
-    ({"mix_strategy": "interleave_once"}, "mix_strategy='interleave_once': use one of concat, interleave_under"),
+    ({"mix_strategy": "interleave_twice"}, "mix_strategy='interleave_twice': use one of concat, interleave_under"),
     ({"eval_strategy": "best"}, "eval_strategy='best': use one of no, steps, epoch"),
     ({"val_size": -0.1}, "val_size=-0.1: must be 0 or more"),
     ({"val_size": 2.5}, "must be whole"),

@@ -300,7 +300,7 @@ def test_packing_has_no_cross_sample_leak(tiny_dir):
     msgs = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
             for q, a in (("Name a color.", "Blue is a color."), ("What is 2 plus 2?", "2 plus 2 is 4."))]
     singles = [encode_chat(tok, CHATML, m, 64) for m in msgs]
-    packed = pack(singles, 128, seed=0)
+    packed = pack(singles, 128)
     assert len(packed) == 1 and packed[0].position_ids.count(0) == 2
     tokens = sum(s.trained_tokens for s in singles)
     assert packed[0].trained_tokens == tokens

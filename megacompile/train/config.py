@@ -98,6 +98,8 @@ class TrainConfig:
     interleave_probs: str | None = _key("data", None, "comma-separated sampling probabilities for interleaving")
     disable_shuffling: bool = _key("data", False, "read the examples in order instead of a seeded permutation")
     preprocessing_num_workers: int | None = _key("data", None, "processes for tokenization")
+    preprocessing_batch_size: int = _key("data", 1000, "records per tokenization batch: packing (and stage pt's "
+                                                       "blocks) stay within one, as LLaMA-Factory packs")
     tokenized_path: str | None = _key("data", None, "save the tokenized examples there, or load them if they exist")
     overwrite_cache: bool = _key("data", False, "tokenize again instead of reading the cache")
     streaming: bool = _key("data", False, "stream a large stage: pt corpus instead of loading it")
@@ -266,6 +268,8 @@ class TrainConfig:
              "the prompts too.")
         need(self.stage == "sft" or not (self.train_on_prompt or self.mask_history),
              "train_on_prompt and mask_history are for stage: sft (stage: pt trains on every token).")
+        need(self.preprocessing_batch_size >= 1,
+             f"preprocessing_batch_size={self.preprocessing_batch_size}: must be at least 1.")
         need(self.preprocessing_num_workers is None or self.preprocessing_num_workers >= 1,
              f"preprocessing_num_workers={self.preprocessing_num_workers}: must be at least 1 (or unset).")
         need(self.val_size >= 0, f"val_size={self.val_size}: must be 0 or more (a fraction < 1 or a number of "

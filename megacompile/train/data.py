@@ -305,16 +305,21 @@ def _examples_of(table, config, tokenizer):
     """(Examples, dropped counts) of a tokenized table: to_examples, then sft packing."""
     from collections import Counter
 
+    from .packing import map_batches
     from .tokenize_cache import to_examples
     bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None   # (LF reads the same)
+    # the row ranges LF's datasets.map packs separately (packing.py)
+    batches = map_batches(len(table), config.preprocessing_num_workers, config.preprocessing_batch_size)
     examples, dropped = to_examples(table, config.stage, data_cutoff_len(config), packs(config), bos,
-                                    tokenizer.pad_token_id)
+                                    tokenizer.pad_token_id, batches)
     if packs(config) and config.stage == "sft" and examples:   # (pt text is already concatenated into blocks)
         if examples.images:
             raise DataError("packing: true with image data: packed samples would share image positions. "
                             "Set packing: false.")
         n = len(examples)
-        examples = pack(examples, data_cutoff_len(config), config.seed)
+        batch_of = np.searchsorted([end for _, end in batches], examples.rows, side="right")
+        groups = [np.flatnonzero(batch_of == b).tolist() for b in range(len(batches))]
+        examples = pack(examples, data_cutoff_len(config), [g for g in groups if g])
         examples.packed_from = n
     return examples, Counter(dropped)
 
@@ -329,26 +334,23 @@ def fingerprint(examples: list[Example]) -> str:
     return h.hexdigest()[:32]
 
 
-def pack(examples: list[Example] | Examples, cutoff_len: int, seed: int) -> Examples:
-    """Greedy first-fit packing of shuffled examples into sequences of at most `cutoff_len`.
+def pack(examples: list[Example] | Examples, cutoff_len: int, batches: list[list[int]] | None = None) -> Examples:
+    """Samples packed into sequences of at most `cutoff_len` tokens as LLaMA-Factory packs them:
+    its greedy knapsack (packing.knapsacks) within each of `batches` (lists of example indices: the
+    map batches LF packs separately; None: one batch of all), the packs in LF's order.
 
     Samples do not see each other: positions restart at every sample, which makes transformers
-    build a block-diagonal causal mask (no 2-D attention mask is passed), and the first token of
-    each sample is not a target (it would be predicted from the previous sample's last token).
-    Works on the int32 store: no example is materialised as Python lists.
+    build a block-diagonal causal mask (no 2-D attention mask is passed; LF's neat_packing), and
+    the first token of each sample is not a target (it would be predicted from the previous
+    sample's last token; LF leaves that label as the data has it, which is a prompt token's IGNORE
+    unless train_on_prompt). Works on the int32 store: no example is materialised as Python lists.
     """
+    from .packing import knapsacks
     store = examples if isinstance(examples, Examples) else Examples.from_list(examples)
     lengths = store.lengths().tolist()
-    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(seed)).tolist()
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:
-        k = next((b for b, r in enumerate(room) if r >= lengths[i]), None)
-        if k is None:
-            bins.append([]), room.append(cutoff_len)
-            k = len(bins) - 1
-        bins[k].append(i)
-        room[k] -= lengths[i]
+    bins = [[batch[k] for k in group]
+            for batch in (batches if batches is not None else [list(range(len(store)))])
+            for group in knapsacks([lengths[i] for i in batch], cutoff_len)]
     members = np.array([i for b in bins for i in b], dtype=np.int64)
     sizes = store.lengths()[members]
     firsts = np.cumsum(sizes) - sizes                     # where each sample starts in the packed stream

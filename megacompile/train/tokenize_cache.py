@@ -350,11 +350,13 @@ def _load_tokenized_path(path: Path, say):
 
 
 def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id: int | None = None,
-                pad_id: int | None = None):
-    """The Examples of a tokenized table and the counts of dropped records by reason.
+                pad_id: int | None = None, batches: list[tuple[int, int]] | None = None):
+    """The Examples of a tokenized table and the counts of dropped records by reason. An sft
+    store's `rows` are the table rows its examples come from.
 
-    `stage: pt` as LLaMA-Factory's pretrain processor: with `packing` the documents are
-    concatenated (in the mixed order) and cut into cutoff_len blocks, the remainder dropped, and
+    `stage: pt` as LLaMA-Factory's pretrain processor: with `packing` the documents of each of
+    `batches` (row ranges: LF's map batches, packing.map_batches; None: all rows) are
+    concatenated (in the mixed order) and cut into cutoff_len blocks, each batch's remainder dropped, and
     with `bos_id` (a tokenizer with add_bos_token) each block's first token becomes BOS; without
     it each document is one example, BOS first (with `bos_id`) and truncated to cutoff_len.
     Tokens equal to `pad_id` get no label (LF's DataCollatorForLanguageModeling)."""
@@ -375,9 +377,12 @@ def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id
     drops = table.data.column("drop").to_pylist() if "drop" in table.column_names else [""] * len(table)
     dropped = Counter(d for d in drops if d)
     if stage == "pt" and packing:
-        n = len(ids) // cutoff_len
-        starts = np.arange(n, dtype=np.int64) * cutoff_len
-        stream = np.array(ids[: n * cutoff_len], dtype=np.int32)   # a copy: the remainder is not kept
+        pieces = []
+        for first, last in batches if batches is not None else [(0, len(offsets) - 1)]:
+            s, e = offsets[first], offsets[last]
+            pieces.append(ids[s: s + (e - s) // cutoff_len * cutoff_len])   # the batch's remainder is not kept
+        stream = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)   # (a copy)
+        starts = np.arange(len(stream) // cutoff_len, dtype=np.int64) * cutoff_len
         if bos_id is not None:
             stream[starts] = bos_id
         return Examples(stream, stream, starts, starts + cutoff_len, unlabelled=pad_id), dropped
@@ -400,4 +405,6 @@ def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id
     if "images" in table.column_names:
         paths = table.data.column("images").to_pylist()
         images = [paths[k] or None for k in idx] if any(paths) else None
-    return Examples(ids, labels, offsets[:-1][idx], offsets[1:][idx], None, images), dropped
+    examples = Examples(ids, labels, offsets[:-1][idx], offsets[1:][idx], None, images)
+    examples.rows = idx
+    return examples, dropped
