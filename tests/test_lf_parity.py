@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from test_lf_registry import _sets, cache, cfg, tok  # noqa: F401 (fixtures)
+from test_train import config, log_rows, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
 
 from megacompile.train.data import IGNORE, build_examples, encode_record, load_registry
 from megacompile.train.evaluate import eval_set, holdout_indices
@@ -133,3 +134,25 @@ def test_unmapped_history_column_is_not_read_and_the_log_says_so(tmp_path, tok, 
     assert "not read" not in capsys.readouterr().out
     assert "Bonjour" not in tok.decode(plain[0].input_ids) and "Bonjour" in tok.decode(mapped[0].input_ids)
     assert sum(t != IGNORE for t in mapped[0].labels) > sum(t != IGNORE for t in plain[0].labels)
+
+
+def test_eval_on_each_dataset_logs_one_loss_per_set(tiny_dir, tmp_path):  # noqa: F811
+    """Each eval data set is evaluated on its own and logged as eval_<name>_loss (HF/LF's name);
+    their token-weighted mean is the single eval_loss of the same run without the key."""
+    from megacompile.errors import ConfigError
+    from megacompile.train.trainer import train
+    model = tiny_dir
+    keys = dict(eval_dataset="alpaca_demo,sharegpt_demo", do_eval=True, max_steps=2, save_steps=2)
+    train(config(model, tmp_path / "each", eval_on_each_dataset=True, **keys), progress=False)
+    train(config(model, tmp_path / "one", **keys), progress=False)
+    each = {k: v for r in log_rows(tmp_path / "each" / "out") for k, v in r.items() if k.startswith("eval_")}
+    one = [r for r in log_rows(tmp_path / "one" / "out") if "eval_loss" in r][-1]
+    a, s = ("alpaca_demo", "sharegpt_demo")
+    assert {f"eval_{a}_loss", f"eval_{s}_loss"} <= set(each) and "eval_loss" not in each
+    assert each[f"eval_{a}_tokens"] + each[f"eval_{s}_tokens"] == one["eval_tokens"]
+    mean = (each[f"eval_{a}_loss"] * each[f"eval_{a}_tokens"] + each[f"eval_{s}_loss"] * each[f"eval_{s}_tokens"]) \
+        / one["eval_tokens"]
+    assert mean == pytest.approx(one["eval_loss"], rel=1e-5) and each[f"eval_{a}_loss"] != each[f"eval_{s}_loss"]
+    with pytest.raises(ConfigError, match="eval_on_each_dataset: true needs eval_dataset"):
+        config(model, tmp_path, eval_on_each_dataset=True, val_size=0.1, do_eval=True)
+

@@ -112,6 +112,8 @@ class TrainConfig:
     eval_steps: float | None = _key("evaluation", None, "evaluate every N steps (a fraction < 1: of the run's "
                                                         "steps); none: logging_steps")
     per_device_eval_batch_size: int = _key("evaluation", 8, "examples per evaluation batch")
+    eval_on_each_dataset: bool = _key("evaluation", False, "with eval_dataset: one eval_<name>_loss per data set (as "
+                                                           "HF/LLaMA-Factory log it) instead of one eval_loss")
     # fine-tuning method (finetuning.py; LLaMA-Factory's keys)
     finetuning_type: str = _key("training", "full", "full: every weight trains; freeze: only the freeze_* selection "
                                                     "(LLaMA-Factory's freeze tuning); lora: LoRA adapters (peft)")
@@ -289,6 +291,9 @@ class TrainConfig:
         need(self.eval_steps is None or self.eval_steps > 0, f"eval_steps={self.eval_steps}: must be positive.")
         need(self.eval_steps is None or self.eval_steps < 1 or float(self.eval_steps).is_integer(),
              f"eval_steps={self.eval_steps}: a number of steps (>= 1) must be whole; a fraction must be < 1.")
+        need(not self.eval_on_each_dataset or bool(self.eval_dataset),
+             "eval_on_each_dataset: true needs eval_dataset (data set names, each evaluated on its own); val_size holds "
+             "out one set.")
         need(self.per_device_eval_batch_size >= 1,
              f"per_device_eval_batch_size={self.per_device_eval_batch_size}: must be at least 1.")
         need(self.eval_strategy == "no" or self.val_size > 0 or bool(self.eval_dataset),

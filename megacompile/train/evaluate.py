@@ -75,6 +75,8 @@ class EvalSet:
     train: list          # the training examples (without the held-out ones)
     examples: list       # the eval examples ([] without evaluation)
     note: str = ""       # for the log: where the eval examples come from
+    # eval_on_each_dataset: {data set name: its eval examples}, each evaluated and logged on its own
+    parts: dict | None = None
 
 
 def holdout_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]]:
@@ -99,7 +101,8 @@ def eval_set(config, tokenizer, images, examples: list, counts: dict) -> EvalSet
     tokenization, with its permutation) and made the examples of each side: `examples` are the
     training ones, counts["held_out"] the eval ones.
     `eval_dataset`: those data sets, encoded as the training data is (same template, cutoff_len,
-    packing, max_samples), as LLaMA-Factory does.
+    packing, max_samples), as LLaMA-Factory does; with eval_on_each_dataset each set on its own
+    (LF's return_dict: loaded, sampled and encoded separately), in `parts`.
     """
     if config.val_size > 0:
         held = counts["held_out"]
@@ -110,13 +113,23 @@ def eval_set(config, tokenizer, images, examples: list, counts: dict) -> EvalSet
         fields = {f.name for f in dataclasses.fields(config)}
         # the eval data sets through the training data's own path; not through a tokenized
         # cache, which holds the training set
-        changes = {"dataset": config.eval_dataset, **({"tokenized_path": None} if "tokenized_path" in fields else {})}
-        try:
-            held, eval_counts = build_examples(dataclasses.replace(config, **changes), tokenizer, images)
-        except DataError as e:   # (its messages speak of training data)
-            raise DataError(f"eval_dataset={config.eval_dataset!r}: {e}") from None
-        return EvalSet(examples, held, f"evaluation: {len(held)} examples from eval_dataset {config.eval_dataset} "
-                                       f"({eval_counts['samples']} samples)")
+        changes = {"tokenized_path": None} if "tokenized_path" in fields else {}
+        names = [n.strip() for n in config.eval_dataset.split(",") if n.strip()]
+        sets = {n: n for n in names} if config.eval_on_each_dataset else {"": ",".join(names)}
+        parts, samples = {}, 0
+        for name, dataset in sets.items():
+            try:
+                held, eval_counts = build_examples(dataclasses.replace(config, **changes, dataset=dataset), tokenizer,
+                                                   images)
+            except DataError as e:   # (its messages speak of training data)
+                raise DataError(f"eval_dataset={dataset!r}: {e}") from None
+            parts[name], samples = held, samples + eval_counts["samples"]
+        if config.eval_on_each_dataset:
+            return EvalSet(examples, [e for p in parts.values() for e in p],
+                           "evaluation: eval_dataset " + ", ".join(f"{n} ({len(p)} examples)" for n, p in parts.items())
+                           + f" from {samples} samples, each logged as eval_<name>_loss", parts)
+        return EvalSet(examples, parts[""], f"evaluation: {len(parts[''])} examples from eval_dataset "
+                                            f"{config.eval_dataset} ({samples} samples)")
     return EvalSet(examples, [])
 
 

@@ -141,7 +141,6 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "image_do_pan_and_scan": ((False,), _NOT_YET),
     "crop_to_patches": ((False,), _NOT_YET),
     "use_kt": ((False,), "KTransformers is " + _NOT_YET),
-    "eval_on_each_dataset": ((False,), "evaluation reports one loss over all eval data sets for now"),
     "use_llama_pro": ((False,), "LLaMA Pro block expansion is " + _NOT_YET),
     "use_adam_mini": ((False,), "megatrain's optimizer is AdamW on the host (runtime/adamw.py)"),
     "use_galore": ((False,), "megatrain's optimizer is AdamW on the host (runtime/adamw.py)"),

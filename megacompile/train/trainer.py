@@ -261,7 +261,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     try:
         ran, skipped = _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state,
                              total, steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step,
-                             evals=(EvalSchedule(config, total, steps_per_epoch), split.examples),
+                             evals=(EvalSchedule(config, total, steps_per_epoch), split.parts or split.examples),
                              flops=(FlopCounter(model), peak_tflops), saver=processor or tokenizer)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
@@ -374,15 +374,18 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             if evals is not None and evals[0].due(state["step"]):   # (as HF: evaluate, then save)
                 optimizer.synchronize()
                 _check_weights(optimizer, names, state["step"], out)
-                eval_loss, eval_tokens, eval_seconds = evaluate(cmodel, model, optimizer, evals[1],
-                                                                config.per_device_eval_batch_size,
-                                                                tokenizer.pad_token_id, images)
-                row = {"step": state["step"], "epoch": state["step"] / steps_per_epoch, "eval_loss": eval_loss,
-                       "eval_tokens": eval_tokens, "eval_seconds": eval_seconds}
-                log.write(json.dumps(row) + "\n")
-                log.flush()
-                reporter.log({"loss": eval_loss}, state["step"], prefix="eval")
-                bar.write(f"[megatrain] step {state['step']}: eval_loss {eval_loss:.4f} over {eval_tokens} tokens")
+                # eval_on_each_dataset: {name: examples}, logged as eval_<name>_loss (HF's names); else one set
+                for name, held in (evals[1] if isinstance(evals[1], dict) else {"": evals[1]}).items():
+                    key = f"eval_{name}_" if name else "eval_"
+                    eval_loss, eval_tokens, eval_seconds = evaluate(cmodel, model, optimizer, held,
+                                                                    config.per_device_eval_batch_size,
+                                                                    tokenizer.pad_token_id, images)
+                    row = {"step": state["step"], "epoch": state["step"] / steps_per_epoch, key + "loss": eval_loss,
+                           key + "tokens": eval_tokens, key + "seconds": eval_seconds}
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                    reporter.log({f"{name}_loss" if name else "loss": eval_loss}, state["step"], prefix="eval")
+                    bar.write(f"[megatrain] step {state['step']}: {key}loss {eval_loss:.4f} over {eval_tokens} tokens")
             if state["step"] % config.save_steps == 0 or state["step"] == total:
                 optimizer.synchronize()
                 _check_weights(optimizer, names, state["step"], out)
