@@ -36,7 +36,8 @@ def _records_dir(tmp_path: Path) -> Path:
 
 
 @needs_smollm2
-@pytest.mark.parametrize("case", REF["sft"], ids=lambda c: f"cutoff{c['cutoff_len']}-batch{c['preprocessing_batch_size']}")
+@pytest.mark.parametrize("case", REF["sft"],
+                         ids=lambda c: f"cutoff{c['cutoff_len']}-batch{c['preprocessing_batch_size']}")
 def test_sft_packs_equal_llamafactorys(case, smollm2_tokenizer, tmp_path):  # noqa: F811
     config = from_mapping({"model_name_or_path": "m", "output_dir": "o", "dataset": ",".join(REF["sets"]),
                            "dataset_dir": str(_records_dir(tmp_path)),

@@ -38,7 +38,7 @@ def pt_config(tmp_path, case: dict):
                          "dataset_dir": str(corpus(tmp_path)), **keys})
 
 
-def _label(case: str) -> str:
+def _label(case: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in case.items() if k not in ("input_ids", "eos_token", "bos_token_id"))
 
 

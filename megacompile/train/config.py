@@ -292,8 +292,8 @@ class TrainConfig:
         need(self.eval_steps is None or self.eval_steps < 1 or float(self.eval_steps).is_integer(),
              f"eval_steps={self.eval_steps}: a number of steps (>= 1) must be whole; a fraction must be < 1.")
         need(not self.eval_on_each_dataset or bool(self.eval_dataset),
-             "eval_on_each_dataset: true needs eval_dataset (data set names, each evaluated on its own); val_size holds "
-             "out one set.")
+             "eval_on_each_dataset: true needs eval_dataset (data set names, each evaluated on its own); "
+             "val_size holds out one set.")
         need(self.per_device_eval_batch_size >= 1,
              f"per_device_eval_batch_size={self.per_device_eval_batch_size}: must be at least 1.")
         need(self.eval_strategy == "no" or self.val_size > 0 or bool(self.eval_dataset),

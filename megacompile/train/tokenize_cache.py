@@ -41,7 +41,8 @@ META = "megatrain_tokenized.json"
 # added later is safe by default)
 TRAINING_ONLY = {
     "model_name_or_path", "trust_remote_code", "torch_dtype", "num_layers", "vision", "disable_shuffling",
-    "preprocessing_num_workers", "tokenized_path", "overwrite_cache", "do_eval", "val_size", "eval_dataset",
+    "preprocessing_num_workers", "preprocessing_batch_size", "tokenized_path", "overwrite_cache", "do_eval",
+    "val_size", "eval_dataset", "eval_on_each_dataset",
     "eval_strategy", "eval_steps", "per_device_eval_batch_size", "per_device_train_batch_size",
     "gradient_accumulation_steps", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
     "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio",

@@ -77,7 +77,8 @@ def build_model(path: Path) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     path.mkdir(parents=True, exist_ok=True)
     # trained on the data it trains on only (another file's edit must not change the model)
-    texts = [line for f in (HERE / "records.json", EXAMPLES / "alpaca_demo.json") for line in f.read_text().splitlines()]
+    texts = [line for f in (HERE / "records.json", EXAMPLES / "alpaca_demo.json")
+             for line in f.read_text().splitlines()]
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1,
                             special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])

@@ -92,7 +92,8 @@ def pt_case(case: dict, tokenizer_dir: str) -> dict:
     template = lf_template.get_template_and_fix_tokenizer(tokenizer, args)
     processor = PretrainDatasetProcessor(template=template, tokenizer=tokenizer, processor=None, data_args=args)
     ids = []
-    for batch in _batches([{"_prompt": [{"role": "user", "content": t}]} for t in TEXTS], args.preprocessing_batch_size):
+    documents = [{"_prompt": [{"role": "user", "content": t}]} for t in TEXTS]
+    for batch in _batches(documents, args.preprocessing_batch_size):
         ids += processor.preprocess_dataset(batch)["input_ids"]
     return {**case, "input_ids": ids}
 
