@@ -334,3 +334,32 @@ def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
     adapters = 2 * (8 * 32 + 32 * 8)   # rank 8 on q_proj (32 -> 32) of 2 layers
     assert re.search(rf"fp32 master weights +{re.escape(_fmt(4 * adapters))}\n", out), out
     assert re.search(rf"optimizer state \(AdamW\) +{re.escape(_fmt(8 * adapters))}\n", out), out
+
+
+def test_llamafactory_lora_run_has_llamafactorys_losses(tmp_path, monkeypatch):
+    """LF's example YAML with finetuning_type: lora (rank 8, lora_target all) trains with
+    megatrain train and logs LLaMA-Factory 0.9.5's own losses and gradient norms for the same
+    model, data, seed and order (tests/data/lf_reference/lora_e2e_generate.py): the same adapters
+    (LF seeds before get_peft_model as apply_lora does), the same scaling, the same updates."""
+    import importlib.util
+    import json
+    from megacompile.cli import main
+    ref_dir = Path(__file__).resolve().parent / "data" / "lf_reference"
+    spec = importlib.util.spec_from_file_location("lf_lora_e2e_generate", ref_dir / "lora_e2e_generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    e2e = gen.e2e()
+    reference = json.loads((ref_dir / "lora_e2e_losses.json").read_text())
+    assert e2e.build_model(tmp_path / "model") == reference["model_digest"], "regenerate lora_e2e_losses.json"
+    e2e.write_data(tmp_path)
+    config = tmp_path / "lora.yaml"
+    config.write_text(e2e.lf_yaml(str(tmp_path / "model"), str(tmp_path / "out"), lf=False,
+                                  extra={**reference["lora"], "device": "cpu"}))
+    monkeypatch.chdir(tmp_path)   # dataset_dir is LLaMA-Factory's default, "data"
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    assert main(["train", str(config), "--no-progress"]) == 0
+    steps = [r for r in log_rows(tmp_path / "out") if "loss" in r]
+    want = reference["run"]
+    assert [r["loss"] for r in steps] == pytest.approx(want["losses"], abs=5e-6)
+    assert [r["grad_norm"] for r in steps] == pytest.approx(want["grad_norms"], rel=1e-4)
+    assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
