@@ -125,7 +125,9 @@ def apply_lora(model: nn.Module, config) -> str:
                              use_rslora=bool(config.use_rslora), modules_to_save=additional)
     if getattr(config, "seed", None) is not None:
         # lora_A's init and then lora_dropout's masks draw from torch's generator: seeded here, so
-        # they depend on `seed` only, not on what loading the data and the model drew before
+        # they depend on `seed` only, not on what loading the data and the model drew before; LF
+        # draws the init right after its set_seed too, so the adapters start as LF's
+        # (tests/test_lora.py: LF's own losses for its LoRA run)
         torch.manual_seed(config.seed)
     wrapper = get_peft_model(model, peft_config)   # (injects into `model`; the wrapper only saves)
     object.__setattr__(model, _WRAPPER, wrapper)
