@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import batch
+from conftest import batch, run_steps
 from families import tiny_family_model
 from test_train import config, log_rows, tiny_dir  # noqa: F401 (tiny_dir: fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -95,16 +95,7 @@ SHAPES = [(2, 8, 0), (2, 8, 2), (3, 11, 3), (2, 9, 1)]
 
 
 def _steps(call, opt, steps=4):
-    losses = []
-    for i in range(steps):
-        b, s, pad = SHAPES[i % len(SHAPES)]
-        ids, mask, labels = batch(b, s, seed=i, pad_left=pad)
-        loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return run_steps(None, call, opt, steps, SHAPES)
 
 
 @pytest.mark.parametrize("family, layers, modules, extra", [
