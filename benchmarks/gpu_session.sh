@@ -21,6 +21,7 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     >> "$OUT/install.txt"; unset PYTHONPATH; }
 fi
 $PY -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OUT/install.txt" 2>&1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}   # (megacompile importable even if the editable install fails)
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
