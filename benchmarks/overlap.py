@@ -116,10 +116,15 @@ ENGINE = {"logits": "drop"}
 
 
 def megatrain_step(args, device, data, overlap, options: dict):
-    model = build(args, "cpu")   # the host store is the model's home
+    # the host store is the model's home; built on the GPU where there is one (random init of
+    # billions of parameters is minutes on the host) and moved
+    model = build(args, device).cpu()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     cmodel = torch.compile(model, backend="megatrain",
                            options={"device": str(device), "slots": args.slots, **options})
     opt = HostAdamW(model.parameters(), lr=1e-5, overlap=overlap)
+    data = data.cpu()   # (the batch lives with the model, on the host: the program moves it)
 
     def step():
         sync(device)
@@ -153,6 +158,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-grad-norm", type=float, default=0.0, help="clip (0: no clipping)")
     ap.add_argument("--skip-limit", action="store_true", help="skip the GPU-resident limit (e.g. it does not fit)")
+    ap.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
     args = ap.parse_args()
     device = torch.device(args.device)
     peak_tflops = load_hardware(args.hardware).compute_tflops if device.type == "cuda" else None
@@ -164,6 +170,9 @@ def main() -> None:
                 ("megatrain", lambda: megatrain_step(args, device, data, False, ENGINE)),
                 ("megatrain +overlap fwd", lambda: megatrain_step(args, device, data, "forward", ENGINE)),
                 ("megatrain +overlap bwd", lambda: megatrain_step(args, device, data, "backward", ENGINE))]
+    if args.only:
+        wanted = {n.strip() for n in args.only.split(",")}
+        configs = [(n, m) for n, m in configs if n in wanted or n.split(" (")[0] in wanted]
     print(f"{args.model}: batch {args.batch} x seq {args.seq} = {tokens} tokens, {args.dtype}, device {device}, "
           f"torch {torch.__version__}")
     print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}", flush=True)

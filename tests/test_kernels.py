@@ -41,11 +41,14 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-7}
 
 
-def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+def assert_matches(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, what: str,
+                   terms: float = 0.0) -> None:
+    """Close within TOL[dtype], absolute error scaled by the largest of 1, |expected| and `terms`
+    (the size of the summands that cancel into `expected`, where that is larger)."""
     assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
     tol = TOL[dtype]
-    scale = max(1.0, expected.detach().abs().max().item()) if expected.numel() else 1.0
+    scale = max(1.0, terms, expected.detach().abs().max().item() if expected.numel() else 1.0)
     torch.testing.assert_close(actual.detach().float(), expected.detach().float(), rtol=tol,
                                atol=tol * scale, msg=lambda m: f"{what} ({dtype}): {m}")
 
@@ -67,7 +70,12 @@ def _check_rmsnorm(shape, dtype, offset, cast_before_weight, eps, seed, weight_d
     dy = torch.randn(y_ref.shape, generator=g).to(y_ref.dtype).to(DEVICE)
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, w), dy)
-    assert_matches(dx, dx_ref, dtype, "dx")
+    # dx = w*dy*r - x*r^3*mean(x*w*dy): the two terms cancel (fully as hidden -> 1), so its rounding
+    # error follows the terms' size, not dx's (seen on the H200: hidden=1, 1.2e-5 on a 0.06 element)
+    r = torch.rsqrt(x.detach().float().pow(2).mean(-1, keepdim=True) + eps)
+    w_eff = w.detach().float() + offset
+    terms = (w_eff * dy.float() * r).abs().max().item() if x.numel() else 0.0
+    assert_matches(dx, dx_ref, dtype, "dx", terms)
     assert_matches(dw, dw_ref, dtype, "dweight")
 
 
