@@ -79,6 +79,8 @@ def run(step, args, device) -> dict[str, float]:
     times: dict[str, list[float]] = {}
     for i in range(args.warmup + args.steps):
         parts = step()
+        if i == 0:   # (the compile, Inductor's lowering and Triton's autotuning land here)
+            print(f"  first step {parts['step']:.1f} s", flush=True)
         if i >= args.warmup:
             for k, v in parts.items():
                 times.setdefault(k, []).append(v)
@@ -178,7 +180,9 @@ def main() -> None:
     print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}", flush=True)
     for name, make in configs:   # each row printed as it is measured: a run cut short keeps its rows
         try:
+            t = time.perf_counter()
             model, step = make()
+            print(f"  {name}: built in {time.perf_counter() - t:.1f} s", flush=True)
             params = sum(p.numel() for p in model.parameters())
             r = results[name] = run(step, args, device)
         except Exception:   # (one failing config must not hide the others' figures)
