@@ -102,7 +102,9 @@ class TrainConfig:
                                                        "blocks) stay within one, as LLaMA-Factory packs")
     tokenized_path: str | None = _key("data", None, "save the tokenized examples there, or load them if they exist")
     overwrite_cache: bool = _key("data", False, "tokenize again instead of reading the cache")
-    streaming: bool = _key("data", False, "stream a large stage: pt corpus instead of loading it")
+    streaming: bool = _key("data", False, "read the data sets while training instead of tokenizing them first "
+                                          "(a corpus larger than RAM; needs max_steps)")
+    buffer_size: int = _key("data", 16384, "streaming: examples in the shuffle buffer")
     # evaluation (no-grad loss through the compiled model; LLaMA-Factory / HF Trainer keys)
     do_eval: bool = _key("evaluation", False, "evaluate the loss on held-out data")
     val_size: float = _key("evaluation", 0.0, "hold out a fraction in [0, 1) or a number of examples for evaluation")
@@ -286,6 +288,16 @@ class TrainConfig:
              "known in advance).")
         need(not (self.streaming and self.max_samples is not None),
              "max_samples with streaming: true: not supported (as in LLaMA-Factory); remove one of them.")
+        need(not self.streaming or self.max_steps > 0,
+             "streaming: true needs max_steps (the stream's length is not known in advance, as in LLaMA-Factory): "
+             "set max_steps.")
+        need(not (self.streaming and self.tokenized_path),
+             "tokenized_path with streaming: true: a stream is tokenized as it is read and saves nothing (as in "
+             "LLaMA-Factory); remove one of them.")
+        need(not (self.streaming and self.eval_strategy == "epoch"),
+             "eval_strategy: epoch with streaming: true: a stream's epochs are not known in advance; use "
+             "eval_strategy: steps with eval_steps.")
+        need(self.buffer_size >= 1, f"buffer_size={self.buffer_size}: must be at least 1.")
         need(self.eval_strategy in EVAL_STRATEGIES,
              f"eval_strategy={self.eval_strategy!r}: use one of {', '.join(EVAL_STRATEGIES)}.")
         need(self.eval_steps is None or self.eval_steps > 0, f"eval_steps={self.eval_steps}: must be positive.")

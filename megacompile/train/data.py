@@ -69,10 +69,6 @@ def check_datasets(config) -> dict[str, str]:
     from .tokenize_cache import _has_data
     if config.stage == "sft":
         check_options(config)   # template, tool_format and their combinations: no tokenizer needed
-    if config.streaming:
-        raise DataError("streaming: true is not supported: a checkpoint's data position is an index into examples "
-                        "tokenized in full, which a stream cannot resume exactly. Set streaming: false: the tokens "
-                        "are cached on disk and held as int32 arrays (4 bytes per token for stage pt).")
     if config.tokenized_path and Path(config.tokenized_path).exists() and not Path(config.tokenized_path).is_dir():
         raise DataError(f"tokenized_path {config.tokenized_path} is a file: give a folder (a new or empty one saves "
                         "the tokenized data there, one holding it loads it).")
@@ -250,6 +246,13 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
     return ex, None
 
 
+def data_template(config, tokenizer):
+    """What encodes the records: sft's chat template; stage pt's text between documents (the
+    tokenize cache's key and a stream's fingerprint hold it)."""
+    return (chat_template(tokenizer, config.template, config) if config.stage == "sft"
+            else pt_separator(tokenizer, config.template))
+
+
 def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples, dict[str, int]]:
     """Every training example of the configured data sets (a compact `Examples` store), and counts
     (samples, dropped, records per data set) for the log. The data sets are loaded, sampled and
@@ -263,9 +266,7 @@ def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples,
     counts["held_out_records"] the number of records they came from."""
     from .tokenize_cache import tokenized
     check_datasets(config)
-    # stage pt: the "template" is the text between documents (the cache key holds it)
-    template = (chat_template(tokenizer, config.template, config) if config.stage == "sft"
-                else pt_separator(tokenizer, config.template))
+    template = data_template(config, tokenizer)
     table, records = tokenized(config, tokenizer, template, images, say)
     counts = {"samples": len(table), "dropped": 0, "records": {n: records.get(n, "?") for n in config.datasets}}
     held = None
@@ -434,11 +435,17 @@ class Order:
         self.index += 1
         return self._perm[k: k + self.batch]
 
+    def next_examples(self, examples) -> list:
+        """The next micro-batch's examples (stream.StreamOrder reads its own instead)."""
+        return [examples[i] for i in self.next()]
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "index": self.index, "n": self.n, "batch": self.batch, "seed": self.seed,
                 "shuffle": self.shuffle}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("streaming"):
+            raise DataError("the checkpoint was written by a run that streamed its data: resume with streaming: true.")
         if (state["n"], state["batch"]) != (self.n, self.batch):
             raise DataError(f"the checkpoint was written for {state['n']} examples in batches of {state['batch']}, "
                             f"this run has {self.n} in batches of {self.batch}: resume with the same data and "

@@ -51,7 +51,7 @@ NOTED: dict[str, str] = {
                      "use_cache", "use_kv_cache"), _KERNELS),
     **dict.fromkeys(("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
                      "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
-                     "remove_unused_columns", "length_column_name", "buffer_size"),
+                     "remove_unused_columns", "length_column_name"),
                     _LOADER),
     "dataloader_drop_last": "an epoch's last incomplete micro-batch is always dropped (every step has the same shape)",
     **dict.fromkeys(("save_only_model", "restore_callback_states_from_checkpoint", "enable_jit_checkpoint",

@@ -25,7 +25,8 @@ REFUSED = ("per_device_train_batch_size", "gradient_accumulation_steps", "seed",
 #: these decide the examples; compared by the examples' fingerprint when the checkpoint has one
 DATA = ("dataset", "dataset_dir", "template", "cutoff_len", "max_samples", "packing", "train_on_prompt", "mask_history",
         "media_dir", "image_max_pixels", "image_min_pixels", "allow_outside_dataset_dir", "default_system",
-        "enable_thinking", "tool_format", "mix_strategy", "interleave_probs", "streaming", "val_size")
+        "enable_thinking", "tool_format", "mix_strategy", "interleave_probs", "streaming", "val_size",
+        "buffer_size")
 #: where the run lives or reads from: not a change of the training itself
 IGNORED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "model_name_or_path", "trust_remote_code")
 

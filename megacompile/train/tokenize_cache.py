@@ -48,7 +48,7 @@ TRAINING_ONLY = {
     "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_ratio",
     "warmup_steps",
     "max_consecutive_skipped_steps", "overlap_optimizer", "output_dir", "logging_steps", "save_steps",
-    "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain",
+    "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain", "buffer_size",
 }
 # the code that turns records into tokens: a change to it must not read stale examples
 _CODE = ("data.py", "templates.py", "encode.py", "jinja_template.py", "tool_formats.py", "images.py", "registry.py",

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -31,10 +32,10 @@ from .. import vlm
 from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
-from . import checkpoint, lora, resume, schedule
+from . import checkpoint, lora, resume, schedule, stream
 from .config import TrainConfig
-from .data import IGNORE, Order, build_examples, check_datasets, collate, fingerprint, show_example
-from .evaluate import Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
+from .data import IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint, show_example
+from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
 from .finetuning import apply_finetuning
 from .flops import FlopCounter, device_peak
 from .images import image_inputs
@@ -184,34 +185,17 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     say(preflight(arch, device, config.vision))
     say(plan_check(arch, config, device))
     images = image_inputs(config, arch, source.processor)
-    examples, counts = build_examples(config, source.tokenizer, images)
-    for name, where in sources.items():
-        say(f"[megatrain] data set {name}: {where} ({counts['records'][name]} records)")
-    packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
-    cut = (f", {counts['dropped_images']} dropped: cutoff_len cut into an image" if "dropped_images" in counts
-           else "") + (f", {counts['malformed']} skipped: turns that do not alternate or end on a prompt"
-                       if counts.get("malformed") else "")
-    say(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples ({counts['dropped']} dropped: "
-        f"no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, [[not trained]]:\n"
-        f"{show_example(source.tokenizer, examples[0])}")
-    split = eval_set(config, source.tokenizer, images, examples, counts)   # (val_size: fewer to train on)
-    examples = split.train
-    if split.note:
-        say(f"[megatrain] {split.note}")
-    data_fingerprint = fingerprint(examples)
+    if config.streaming:
+        data = _stream_data(config, source.tokenizer, images, sources)
+    else:
+        data = _data(config, source.tokenizer, images, sources)
+    examples, split, order, steps_per_epoch, data_fingerprint = data
     if loaded is not None and loaded.trainer.get("data_fingerprint", data_fingerprint) != data_fingerprint:
         changed = resume.data_changes(loaded.trainer.get("config") or {}, config.to_dict())
         raise ConfigError(f"resuming {loaded.path} with other training examples ("
                           + ("; ".join(changed) if changed else "the data files' contents changed") + "): the data "
                           "position in the checkpoint would point into different samples. Resume with the data it was "
                           "trained on, or start a new run in another output_dir.")
-
-    batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
-    order = Order(len(examples), batch, config.seed, shuffle=not config.disable_shuffling)
-    steps_per_epoch = order.batches_per_epoch // accum
-    if steps_per_epoch == 0:
-        raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch} x "
-                          f"gradient_accumulation_steps={accum}: lower them or add data.")
     total = config.max_steps if config.max_steps > 0 else math.ceil(config.num_train_epochs * steps_per_epoch)
     finished = loaded is not None and loaded.step >= total
     if finished and export_step(out) == loaded.step:
@@ -294,6 +278,48 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     return state
 
 
+def _data(config: TrainConfig, tokenizer, images, sources: dict):
+    """The tokenized training data: (examples, eval split, order, steps per epoch, fingerprint)."""
+    examples, counts = build_examples(config, tokenizer, images)
+    for name, where in sources.items():
+        say(f"[megatrain] data set {name}: {where} ({counts['records'][name]} records)")
+    packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
+    cut = (f", {counts['dropped_images']} dropped: cutoff_len cut into an image" if "dropped_images" in counts
+           else "") + (f", {counts['malformed']} skipped: turns that do not alternate or end on a prompt"
+                       if counts.get("malformed") else "")
+    say(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples ({counts['dropped']} dropped: "
+        f"no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, [[not trained]]:\n"
+        f"{show_example(tokenizer, examples[0])}")
+    split = eval_set(config, tokenizer, images, examples, counts)   # (val_size: fewer to train on)
+    examples = split.train
+    if split.note:
+        say(f"[megatrain] {split.note}")
+    batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
+    order = Order(len(examples), batch, config.seed, shuffle=not config.disable_shuffling)
+    steps_per_epoch = order.batches_per_epoch // accum
+    if steps_per_epoch == 0:
+        raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch} x "
+                          f"gradient_accumulation_steps={accum}: lower them or add data.")
+    return examples, split, order, steps_per_epoch, fingerprint(examples)
+
+
+def _stream_data(config: TrainConfig, tokenizer, images, sources: dict):
+    """streaming: true (stream.py): the same five, with no examples held and no epoch length."""
+    for name, where in sources.items():
+        say(f"[megatrain] data set {name}: {where} (streamed)")
+    data = stream.open_stream(config, tokenizer, data_template(config, tokenizer), images)
+    say(f"[megatrain] streaming the examples (shuffle buffer {config.buffer_size if not config.disable_shuffling else 0}"
+        f"); the first one, [[not trained]]:\n{show_example(tokenizer, data.first)}")
+    if config.eval_dataset:   # (a separate eval set is small: tokenized whole, through the cache)
+        split = eval_set(dataclasses.replace(config, streaming=False), tokenizer, images, [], {})
+    else:
+        split = EvalSet([], data.held_out, f"evaluation: the stream's first {len(data.held_out)} examples, held out "
+                        "by val_size" if len(data.held_out) else "")
+    if split.note:
+        say(f"[megatrain] {split.note}")
+    return None, split, data.order, None, data.fingerprint
+
+
 def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state, total,
           steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step, evals=None, flops=None,
           saver=None) -> tuple[int, int]:
@@ -309,7 +335,7 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
     with open(out / LOG_NAME, "a") as log:
         while state["step"] < total:
             t0 = time.perf_counter()
-            picked = [[examples[i] for i in order.next()] for _ in range(accum)]
+            picked = [order.next_examples(examples) for _ in range(accum)]
             micro = [collate(b, tokenizer.pad_token_id, images=images) for b in picked]
             tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
             count = torch.tensor(max(tokens, 1))
@@ -354,7 +380,7 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                 row = {"step": state["step"], "loss": sum(w[0] for w in window) / len(window), "lr": lr,
                        "tokens_per_s": sum(w[1] for w in window) / max(sum(w[2] for w in window), 1e-9),
                        "grad_norm": norm, "skipped_steps": state["skipped_steps"],
-                       "epoch": state["step"] / steps_per_epoch, "trained_tokens": state["trained_tokens"]}
+                       "epoch": _epoch(state, steps_per_epoch, order), "trained_tokens": state["trained_tokens"]}
                 if counter is not None:   # model FLOPs of the window's steps per second (flops.py)
                     row["tflops"] = sum(w[3] for w in window) / max(sum(w[2] for w in window), 1e-9) / 1e12
                     row["mfu"] = row["tflops"] / peak_tflops if peak_tflops > 0 else None
@@ -380,7 +406,7 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                     eval_loss, eval_tokens, eval_seconds = evaluate(cmodel, model, optimizer, held,
                                                                     config.per_device_eval_batch_size,
                                                                     tokenizer.pad_token_id, images)
-                    row = {"step": state["step"], "epoch": state["step"] / steps_per_epoch, key + "loss": eval_loss,
+                    row = {"step": state["step"], "epoch": _epoch(state, steps_per_epoch, order), key + "loss": eval_loss,
                            key + "tokens": eval_tokens, key + "seconds": eval_seconds}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
@@ -396,6 +422,11 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     return ran, skipped
+
+
+def _epoch(state: dict, steps_per_epoch: int | None, order) -> float:
+    """The log's epoch: steps over steps per epoch; a stream's completed passes (its length is unknown)."""
+    return state["step"] / steps_per_epoch if steps_per_epoch else float(order.epoch)
 
 
 def _peak_device_bytes(cmodel) -> int | None:
