@@ -227,6 +227,9 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         del loaded.masters, loaded.optimizer   # (their copies are in the store and the optimizer now)
         say(f"[megatrain] resumed from {loaded.path} at step {state['step']}"
             + (f"; changed since, applied from here: {'; '.join(applied)}" if applied else ""))
+        if config.streaming and order.consumed:
+            say(f"[megatrain] the stream reads past the {order.consumed} examples of its epoch {order.epoch} that "
+                "were trained on (tokenized again, not trained) to reach the checkpoint's position")
     if finished:
         _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
         say(f"[megatrain] nothing left to train (step {state['step']} of {total}); exported the model of "
