@@ -49,13 +49,16 @@ def batch(b: int = 2, s: int = 8, seed: int = 0, pad_left: int = 0):
     return ids, mask, labels
 
 
-def run_steps(model, call, opt, steps, shapes):
+def run_steps(model, call, opt, steps, shapes, seed: int | None = None):
     """`steps` training steps of `call` (compiled or eager), cycling through (batch, seq, left
-    padding) `shapes`; returns the losses."""
+    padding) `shapes`; returns the losses. `seed`: torch's generator seeded with seed + step
+    before each step (dropout draws the same masks in both runs)."""
     losses = []
     for i in range(steps):
         b, s, pad = shapes[i % len(shapes)]
         ids, mask, labels = batch(b, s, seed=i, pad_left=pad)
+        if seed is not None:
+            torch.manual_seed(seed + i)
         loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
         loss.backward()
         losses.append(loss.item())
@@ -96,6 +99,15 @@ def _fresh_dynamo():
     from megacompile.runtime import grad_offload
     grad_offload._LISTENERS.clear()
     grad_offload._GUARDS.clear()
+
+
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch):
+    """This test's own tokenization cache ($MEGATRAIN_CACHE): tests never read each other's
+    tokenized data. (Not autouse: the embedded model's files live under the same root.)"""
+    path = tmp_path / "cache"
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(path))
+    return path
 
 
 @pytest.fixture

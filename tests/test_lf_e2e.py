@@ -37,7 +37,8 @@ def reference() -> dict:
 
 # shuffled: the YAML as it is (LF's seeded order); in_order: disable_shuffling: true on both sides
 @pytest.mark.parametrize("run", ["shuffled", pytest.param("in_order", marks=pytest.mark.slow)])
-def test_llamafactory_example_yaml_trains_with_llamafactorys_losses(tmp_path, monkeypatch, reference, run):
+def test_llamafactory_example_yaml_trains_with_llamafactorys_losses(tmp_path, monkeypatch, own_cache, reference,
+                                                                     run):
     gen = _generator()
     want = reference["runs"][run]
     digest = gen.build_model(tmp_path / "model")
@@ -48,7 +49,6 @@ def test_llamafactory_example_yaml_trains_with_llamafactorys_losses(tmp_path, mo
     config.write_text(gen.lf_yaml(str(tmp_path / "model"), str(tmp_path / "out"), lf=False,
                                   extra={**want["extra"], "device": "cpu"}))
     monkeypatch.chdir(tmp_path)   # dataset_dir is LLaMA-Factory's default, "data"
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
     assert main(["train", str(config), "--no-progress"]) == 0
     rows = [json.loads(line) for line in (tmp_path / "out" / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "loss" in r and "step" in r]

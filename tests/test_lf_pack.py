@@ -19,9 +19,7 @@ from megacompile.train.packing import knapsacks, map_batches
 REF = json.loads((Path(__file__).parent / "data" / "lf_reference" / "pack_reference.json").read_text())
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def _records_dir(tmp_path: Path) -> Path:

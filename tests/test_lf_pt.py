@@ -18,9 +18,7 @@ from megacompile.train.data import IGNORE, DataError, build_examples, data_cutof
 REF = json.loads((Path(__file__).parent / "data" / "lf_reference" / "pt_reference.json").read_text())
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def corpus(tmp_path: Path) -> Path:

@@ -39,12 +39,11 @@ def tok():
 
 
 @pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch) -> Path:
+def cache(own_cache, monkeypatch) -> Path:
     """Each test its own tokenization cache, and no hub switches from the environment."""
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
     for name in ("USE_MODELSCOPE_HUB", "USE_OPENMIND_HUB"):
         monkeypatch.delenv(name, raising=False)
-    return tmp_path / "cache"
+    return own_cache
 
 
 def cfg(dataset_dir, **kw):

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("peft")
 
 import megacompile  # noqa: E402
-from conftest import Fp32MasterReference, batch, tiny_model  # noqa: E402
+from conftest import Fp32MasterReference, batch, run_steps, tiny_model  # noqa: E402
 from megacompile.errors import ConfigError  # noqa: E402
 from megacompile.runtime.adamw import HostAdamW  # noqa: E402
 from megacompile.train import checkpoint, lora  # noqa: E402
@@ -42,17 +42,7 @@ def with_lora(model, seed=1, init_b=True, **kw):
 
 def steps(call, opt, n, seed=100):
     """n training steps; dropout masks drawn from a seeded generator per step."""
-    losses = []
-    for i in range(n):
-        b, s, pad = SHAPES[i % len(SHAPES)]
-        ids, mask, labels = batch(b, s, seed=i, pad_left=pad)
-        torch.manual_seed(seed + i)
-        loss = call(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+    return run_steps(None, call, opt, n, SHAPES, seed=seed)
 
 
 def trainable(model):
@@ -336,7 +326,7 @@ def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
     assert re.search(rf"optimizer state \(AdamW\) +{re.escape(_fmt(8 * adapters))}\n", out), out
 
 
-def test_llamafactory_lora_run_has_llamafactorys_losses(tmp_path, monkeypatch):
+def test_llamafactory_lora_run_has_llamafactorys_losses(tmp_path, monkeypatch, own_cache):
     """LF's example YAML with finetuning_type: lora (rank 8, lora_target all) trains with
     megatrain train and logs LLaMA-Factory 0.9.5's own losses and gradient norms for the same
     model, data, seed and order (tests/data/lf_reference/lora_e2e_generate.py): the same adapters
@@ -356,7 +346,6 @@ def test_llamafactory_lora_run_has_llamafactorys_losses(tmp_path, monkeypatch):
     config.write_text(e2e.lf_yaml(str(tmp_path / "model"), str(tmp_path / "out"), lf=False,
                                   extra={**reference["lora"], "device": "cpu"}))
     monkeypatch.chdir(tmp_path)   # dataset_dir is LLaMA-Factory's default, "data"
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
     assert main(["train", str(config), "--no-progress"]) == 0
     steps = [r for r in log_rows(tmp_path / "out") if "loss" in r]
     want = reference["run"]

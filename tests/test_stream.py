@@ -16,9 +16,7 @@ from megacompile.train.data import build_examples, data_template
 from test_train import config, log_rows, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
 
 
-@pytest.fixture(autouse=True)
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("own_cache")
 
 
 def _rows(examples) -> list[tuple]:
