@@ -13,6 +13,7 @@ Dynamo hands us one whole-model graph whose inputs include the real parameters. 
 """
 from __future__ import annotations
 
+import copy
 import time
 import weakref
 from typing import Any
@@ -27,7 +28,8 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from . import output_hooks
 from .capture import ModelCapture, capture_inputs
 from .options import Options
-from .passes import PassContext, run_pipeline
+from .ir import MEMORY_PLAN, RUNTIME_READS
+from .passes import PassContext, check_pipeline, run_pipeline
 from .passes.dedupe_bodies import dedupe_bodies
 from .passes.fused_kernels import fused_kernels
 from .passes.fused_lm_loss import fused_lm_loss
@@ -51,6 +53,17 @@ DYNAMO_PASSES = [fused_kernels, fused_lm_loss, retarget_device]
 JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
                     schedule, memory_plan]
+
+
+
+def check_pipelines(disabled: tuple[str, ...]) -> None:
+    """The contracts of the three pipelines with `disabled` switched off, and what the runtime
+    reads from a direction graph: a ContractError before any work, naming the reader, the key
+    and the disabled pass that writes it."""
+    check_pipeline(DYNAMO_PASSES, disabled)
+    check_pipeline(JOINT_PASSES, disabled)
+    check_pipeline(DIRECTION_PASSES, disabled, then_reads=RUNTIME_READS, reader="the runtime's executor")
+
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
@@ -136,11 +149,12 @@ class Program:
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def _layer_boundary_peak(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> int:
-        """Planned peak device bytes of the step with layer-boundary recomputation only."""
-        from .passes.memory_plan import MEMORY_PLAN
+        """Planned peak device bytes of the step with layer-boundary recomputation only (a trial
+        on a copy: the passes tag and rewrite the graph they get, and the real partition follows)."""
         ctx = self.context("joint")
         ctx.recompute = "layer"
-        fw, bw = min_cut_rematerialization_partition(run_pipeline(joint, JOINT_PASSES, ctx), joint_inputs, **kwargs)
+        trial = fx.GraphModule(joint, copy.deepcopy(joint.graph))
+        fw, bw = min_cut_rematerialization_partition(run_pipeline(trial, JOINT_PASSES, ctx), joint_inputs, **kwargs)
         peak = 0
         for direction, gm in (("forward", fw), ("backward", bw)):
             top = run_pipeline(gm, DIRECTION_PASSES, self.context(direction))
@@ -217,6 +231,7 @@ class Program:
 def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_ignored):
     """TorchDynamo backend entry point (registered as "megatrain" via entry points)."""
     opts = Options.from_mapping(options)
+    check_pipelines(opts.disable_passes)   # (Options checked it too; a direct caller may not have)
     output_hooks.register()  # again: torch._dynamo.reset() drops it
     capture, params = capture_inputs(gm, example_inputs)
     program = Program(capture, params, opts)

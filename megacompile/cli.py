@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConfigError, MegatrainError
+from .log import console
 
 #: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_CANNOT_FIT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     p = ArgumentParser(prog="megatrain", description="Train LLMs larger than accelerator memory.")
     p.add_argument("--version", action="version", version=f"megatrain {__version__}")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="debug messages too (the megatrain logger at DEBUG: pass op counts, lowering choices)")
     sub = p.add_subparsers(dest="command", metavar="{inspect,plan,train}")
     i = sub.add_parser("inspect", help="dump graphs, pass records, the schedule and the memory plan of a model",
                        description="Build MODEL on the meta device (no weights allocated), run the real capture "
@@ -296,6 +299,7 @@ def main(argv=None) -> int:
             return EXIT_OK
         if extras:
             parser.subparser(args.command).unknown(extras)
+        console(verbose=args.verbose)
         return args.func(args)
     except Terminated:
         print("megatrain: terminated (SIGTERM); the checkpoints written so far are complete: continue with "

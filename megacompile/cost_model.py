@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 
 from .hardware import Hardware
+from .ir import dim_hint, materialize as _materialize  # noqa: F401 (dim_hint: re-exported)
 from .runtime.expert_rows import fetch_expert_rows
 
 aten = torch.ops.aten
@@ -47,13 +48,6 @@ class BodyCost:
     def seconds(self, hw: Hardware) -> float:
         return (self.flops / (hw.compute_tflops * 1e12) + self.memory_bytes / (hw.device_memory_gbps * 1e9)
                 + self.ops * hw.op_overhead_us * 1e-6)
-
-
-def dim_hint(d) -> int:
-    """A size as an int (symbolic sizes: the hint they were traced with)."""
-    if isinstance(d, torch.SymInt):
-        return int(d.node.hint) if d.node.has_hint() else 1
-    return int(d)
 
 
 def _numel(val) -> int:
@@ -147,28 +141,6 @@ def _key(n: fx.Node) -> tuple:
             return tuple(sig(x) for x in a)
         return repr(a)
     return (str(n.target), sig(n.args), sig(tuple(sorted(n.kwargs.items()))))
-
-
-def _materialize(a):
-    if isinstance(a, fx.Node):
-        v = a.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            shape, stride = [dim_hint(d) for d in v.shape], [dim_hint(d) for d in v.stride()]
-            extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
-            base = torch.empty(extent, dtype=v.dtype, device="cpu")
-            if v.dtype.is_floating_point:
-                base.normal_(0, 0.02)
-            elif v.dtype == torch.bool:
-                base.fill_(True)
-            else:
-                base.zero_()   # valid indices for embeddings, gathers and targets
-            return base.as_strided(shape, stride)
-        if isinstance(v, torch.SymInt):
-            return dim_hint(v)
-        return v
-    if isinstance(a, (list, tuple)):
-        return type(a)(_materialize(x) for x in a)
-    return a
 
 
 def _measure(n: fx.Node) -> float | None:

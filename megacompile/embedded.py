@@ -42,6 +42,10 @@ from typing import Sequence
 
 import torch
 
+from .log import get as _get_logger
+
+log = _get_logger("embedded")
+
 __all__ = [
     "CHATML_TEMPLATE",
     "GGUF_FILENAME",
@@ -339,11 +343,11 @@ def load_smollm2(
     fingerprint = _source_fingerprint(gguf_path)
     if not _cache_is_valid(cache, fingerprint):
         if verbose:
-            print(f"[embedded] converting {gguf_path.name} -> {cache} (one time, ~15 s)", flush=True)
+            log.info("[embedded] converting %s -> %s (one time, ~15 s)", gguf_path.name, cache)
         start = time.perf_counter()
         _convert_to_cache(gguf_path, cache, fingerprint)
         if verbose:
-            print(f"[embedded] converted in {time.perf_counter() - start:.1f} s", flush=True)
+            log.info("[embedded] converted in %.1f s", time.perf_counter() - start)
 
     tokenizer = AutoTokenizer.from_pretrained(cache)
     _prepare_tokenizer(tokenizer)

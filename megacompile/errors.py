@@ -26,6 +26,11 @@ class ConfigError(MegatrainError, ValueError):
     """An option or config key is unknown or has an impossible value."""
 
 
+class ContractError(ConfigError):
+    """A pipeline whose passes cannot run together: a pass (or the runtime) reads a metadata key
+    that no enabled pass before it writes (usually: disable_passes switched its writer off)."""
+
+
 class ResidencyError(MegatrainError):
     """A layer body was about to read a weight that is not resident on the device."""
 

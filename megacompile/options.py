@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, ContractError
 
 
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
@@ -148,6 +148,11 @@ def _checked(name: str, value):
                 close = difflib.get_close_matches(p, valid, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 raise _bad(name, value, f"pass names; {p!r} is not one: {hint}the passes are {', '.join(valid)}")
+        from .backend import check_pipelines
+        try:
+            check_pipelines(tuple(items))   # a later pass or the runtime reads what one of them writes
+        except ContractError as e:
+            raise ContractError(f"option disable_passes={list(items)!r}: {e}") from None
         return tuple(items)
     return value
 

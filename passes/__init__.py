@@ -1,22 +1,28 @@
-"""Graph passes: each file holds one transform, a pure function `(gm, ctx) -> gm` with a declared
-contract (the node tags it requires and provides). Tags in `node.meta` are the only interface
-between passes. The pipeline checks contracts, can skip any pass by name
-(`options={"disable_passes": [...]}`) for bisecting, and in debug mode prints op counts.
+"""Graph passes: each file holds one transform `(gm, ctx) -> gm` with a declared contract: the
+metadata keys (megacompile/ir.py: node tags in `node.meta`, results in `gm.meta`) it reads and
+writes. Those keys are the only interface between passes, and with the runtime. A pass may
+rewrite the graph it is given in place (the backend hands a copy to a trial run). The pipeline
+checks the contracts of all its passes before the first runs, can skip any pass by name
+(`options={"disable_passes": [...]}`) for bisecting, and with debug_passes logs op counts.
+
+    @graph_pass("split_segments", reads=(RANK, GROUP), writes=(SEGMENT,))
+    def split_segments(gm, ctx): ...
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.fx as fx
 
-#: node.meta keys written by passes (the interface between them)
-WEIGHT_GROUP = "mt_weight_group"   # placeholder -> weight group of the parameter it carries
-FLAT_INDEX = "mt_flat_index"       # placeholder -> position in the AOT flat args
-GROUP = "mt_group"                 # node -> weight group whose segment computes it (-1 = prologue)
-RANK = "mt_rank"                   # node -> position of its segment in execution order
+# the metadata keys (the interface between passes, and with the runtime) live in ir.py
+from ..errors import ContractError  # noqa: F401 (re-exported)
+from ..ir import FLAT_INDEX, GROUP, KEYS, RANK, WEIGHT_GROUP  # noqa: F401 (re-exported)
+
+log = logging.getLogger("megatrain.passes")
 
 
 def weight_only_nodes(gm: fx.GraphModule, within: set[fx.Node] | None = None) -> list[fx.Node]:
@@ -57,62 +63,87 @@ class PassContext:
 
 @dataclass(frozen=True)
 class GraphPass:
+    """A pass and its contract, in metadata keys of ir.KEYS (node tags and graph results):
+    `reads` must be present before it runs (written by an earlier pass), `writes` are there after
+    it, `may_write` only in some configurations (e.g. fused_kernels with kernels="triton"). What a
+    pass reads only when present (e.g. BODY: a segment without a shared body runs its own) is
+    not a contract."""
     name: str
     fn: Callable[[fx.GraphModule, PassContext], fx.GraphModule]
-    requires: tuple[str, ...] = ()      # node.meta tags that must be present on some node
-    provides: tuple[str, ...] = ()      # tags it guarantees afterwards
-    numerics_preserving: bool = True
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    may_write: tuple[str, ...] = ()
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return self.fn(gm, ctx)
 
 
-def graph_pass(name: str, requires=(), provides=(), numerics_preserving=True):
-    """Decorator declaring a pass and its contract."""
+def graph_pass(name: str, reads=(), writes=(), may_write=()):
+    """Decorator declaring a pass and its contract (keys from megacompile/ir.py)."""
+    for key in (*reads, *writes, *may_write):
+        if key not in KEYS:
+            raise ValueError(f"pass {name!r}: {key!r} is not a metadata key of megacompile/ir.py")
+
     def wrap(fn):
-        return GraphPass(name, fn, tuple(requires), tuple(provides), numerics_preserving)
+        return GraphPass(name, fn, tuple(reads), tuple(writes), tuple(may_write))
     return wrap
 
 
-def _tags_present(gm: fx.GraphModule) -> set[str]:
-    tags = set()
+def _keys_present(gm: fx.GraphModule) -> set[str]:
+    keys = {k for k in gm.meta if k in KEYS}
     for n in gm.graph.nodes:
-        tags.update(k for k in n.meta if k.startswith("mt_") or k in ("recompute", "ac_graph_id"))
-    return tags
+        keys.update(k for k in n.meta if k in KEYS)
+    return keys
 
 
 def _op_counts(gm: fx.GraphModule) -> collections.Counter:
     return collections.Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
 
 
-class ContractError(RuntimeError):
-    pass
+def check_pipeline(passes: list[GraphPass], disabled=(), then_reads=(), reader: str = "the runtime",
+                   available=()) -> None:
+    """Before any work: every key an enabled pass reads is written by an earlier enabled pass
+    (or `available` in the input graph), and `then_reads` (what runs on the result, e.g.
+    ir.RUNTIME_READS) is there at the end. A ContractError names the reader, the key and the
+    disabled pass that would have written it."""
+    have = set(available)
+    writers = {k: p.name for p in passes for k in (*p.writes, *p.may_write)}
+
+    def refuse(who: str, key: str) -> None:
+        writer = writers.get(key)
+        why = (f"which pass {writer!r} writes, and it is disabled (disable_passes={list(disabled)})"
+               if writer in disabled else "which no earlier pass writes")
+        raise ContractError(f"{who} reads {KEYS[key].level} key {key!r} ({KEYS[key].doc}), {why}.")
+    for p in passes:
+        if p.name in disabled:
+            continue
+        for key in p.reads:
+            if key not in have:
+                refuse(f"pass {p.name!r}", key)
+        have.update(p.writes, p.may_write)
+    for key in then_reads:
+        if key not in have:
+            refuse(reader, key)
 
 
 def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassContext) -> fx.GraphModule:
-    """Run passes in order, checking each contract; skipped passes are recorded, not silent."""
-    provided = _tags_present(gm)
+    """Run passes in order (the pipeline checked first: check_pipeline); skipped passes are
+    recorded, not silent; each pass's `writes` are verified after it."""
+    check_pipeline(passes, ctx.disabled, available=_keys_present(gm))
     for p in passes:
         if p.name in ctx.disabled:
             ctx.records.append((p.name, "disabled", None))
             continue
-        missing = [t for t in p.requires if t not in provided]
-        if missing:
-            raise ContractError(
-                f"pass {p.name!r} requires node tags {missing} that no earlier pass provided "
-                f"(disabled: {list(ctx.disabled)})."
-            )
         before = _op_counts(gm) if ctx.debug else None
         gm = p(gm, ctx)
-        provided = _tags_present(gm) | provided
-        lost = [t for t in p.provides if t not in provided]
+        lost = [k for k in p.writes if k not in _keys_present(gm)]
         if lost:
-            raise ContractError(f"pass {p.name!r} promised tags {lost} but did not set them.")
+            raise ContractError(f"pass {p.name!r} promised {lost} but did not write them.")
         if ctx.debug:
             after = _op_counts(gm)
             delta = {k: after[k] - before[k] for k in set(before) | set(after) if after[k] != before[k]}
             ctx.records.append((p.name, "ran", delta))
-            print(f"[megatrain] {ctx.direction} pass {p.name}: {sum(after.values())} ops, delta {delta}")
+            log.info("%s pass %s: %d ops, delta %s", ctx.direction, p.name, sum(after.values()), delta)
         else:
             ctx.records.append((p.name, "ran", None))
     return gm

@@ -17,10 +17,9 @@ import hashlib
 import torch
 import torch.fx as fx
 
+from ..ir import BODY, SEGMENT
 from . import PassContext, graph_pass
-from .split_segments import SEGMENT
 
-BODY = "mt_body"  # call_module node -> name of the shared body
 
 
 def _val_sig(val) -> str:
@@ -62,7 +61,7 @@ def structural_key(module: fx.GraphModule) -> str:
     return hashlib.sha1("\n".join(parts).encode()).hexdigest()
 
 
-@graph_pass("dedupe_bodies", requires=(SEGMENT,), provides=(BODY,))
+@graph_pass("dedupe_bodies", reads=(SEGMENT,), writes=(BODY,))
 def dedupe_bodies(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     bodies: dict[str, str] = {}
     for n in gm.graph.nodes:

@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from . import PassContext, graph_pass
 
-REPLACED = "mt_fused_kernel"   # node.meta tag: which kernel a node calls
+from ..ir import FUSED_KERNEL as REPLACED  # (node.meta tag: which kernel a node calls)
 
 
 def _code_signature(cls: type) -> str | None:
@@ -150,7 +150,7 @@ def _replace_swiglu(gm: fx.GraphModule, mul: fx.Node) -> bool:
     return True
 
 
-@graph_pass("fused_kernels")
+@graph_pass("fused_kernels", may_write=(REPLACED,))
 def fused_kernels(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.kernels != "triton":
         return gm

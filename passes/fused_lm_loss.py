@@ -36,7 +36,7 @@ import torch.fx as fx
 
 from . import PassContext, graph_pass
 
-REPLACED = "mt_fused_lm_loss"   # node.meta tag on the fused op and its loss
+from ..ir import FUSED_LM_LOSS as REPLACED  # (node.meta tag on the fused op and its loss)
 
 
 def _is_call(n, op: str, *targets) -> bool:
@@ -113,7 +113,7 @@ def _without(value, dropped: fx.Node):
     return value
 
 
-@graph_pass("fused_lm_loss")
+@graph_pass("fused_lm_loss", may_write=(REPLACED,))
 def fused_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.logits != "drop":
         return gm

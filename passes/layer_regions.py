@@ -25,7 +25,8 @@ import re
 
 import torch.fx as fx
 
-from . import GROUP, RANK, WEIGHT_GROUP, PassContext, graph_pass
+from ..ir import FLAT_INDEX, GROUP, RANK, WEIGHT_GROUP
+from . import PassContext, graph_pass
 
 PROLOGUE = -1
 _ROOT = re.compile(r"^L\[[^\]]*\](?:\[[^\]]*\])*\.?")
@@ -65,7 +66,7 @@ def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
     return None
 
 
-@graph_pass("layer_regions", requires=("mt_flat_index",), provides=(GROUP, RANK))
+@graph_pass("layer_regions", reads=(FLAT_INDEX,), writes=(GROUP, RANK))
 def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     asap: dict[fx.Node, int] = {}   # weight-dependent nodes only

@@ -13,20 +13,14 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
-from ..cost_model import dim_hint
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
-from . import WEIGHT_GROUP, PassContext, graph_pass
-from .dedupe_bodies import BODY
+from ..ir import BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, MemoryPlan, dim_hint
 from ..runtime.expert_rows import fetch_expert_rows
-from .schedule import SCHEDULE
-from .split_segments import SEGMENT
-
-MEMORY_PLAN = "mt_memory_plan"
+from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, fetch_expert_rows}
 
@@ -86,14 +80,6 @@ def _fmt(n: int) -> str:
     return f"{n} B"
 
 
-@dataclass
-class MemoryPlan:
-    peak_bytes: int
-    peak_step: int
-    peak_weight_bytes: int
-    transient: dict[str, int] = field(default_factory=dict)
-    per_step: list[int] = field(default_factory=list)
-    largest_segment_weight_bytes: int = 0
 
 
 def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -> None:
@@ -113,7 +99,7 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
         + ". Or lower the batch size or sequence length, or set recompute_head=True.")
 
 
-@graph_pass("memory_plan", requires=(SEGMENT,))
+@graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,))
 def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = gm.meta[SCHEDULE]
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from . import GROUP, PassContext, graph_pass, weight_only_nodes
+from ..ir import AC_GRAPH_ID, GROUP, RECOMPUTE
+from . import PassContext, graph_pass, weight_only_nodes
 from .layer_regions import PROLOGUE
 
 
@@ -32,7 +33,7 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in gm.graph.nodes if n not in backward and n.op not in ("placeholder", "output")}
 
 
-@graph_pass("recompute_boundaries", requires=(GROUP,), provides=("recompute", "ac_graph_id"))
+@graph_pass("recompute_boundaries", reads=(GROUP,), writes=(RECOMPUTE, AC_GRAPH_ID))
 def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fwd = forward_nodes(gm)
     weight_only = set(weight_only_nodes(gm, fwd))

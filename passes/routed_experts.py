@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 
 from ..runtime.expert_rows import fetch_expert_rows
-from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
+from ..ir import FLAT_INDEX, ROUTED, WEIGHT_GROUP
+from . import PassContext, graph_pass
 
-ROUTED = "mt_routed_experts"   # weight placeholder -> its rows are fetched by routing
 
 
 def grouped_mm_ops() -> set:
@@ -72,7 +72,7 @@ def _routed_uses(weight: fx.Node, ops: set) -> list[tuple[fx.Node, list[fx.Node]
     return uses or None
 
 
-@graph_pass("routed_experts", requires=(FLAT_INDEX,), provides=())
+@graph_pass("routed_experts", reads=(FLAT_INDEX,), may_write=(ROUTED,))
 def routed_experts(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.routed_experts or ctx.direction == "joint":
         return gm

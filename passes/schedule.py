@@ -16,56 +16,12 @@ right after the segment that finalises it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch.fx as fx
 
 from ..cost_model import logical_bytes
-from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
-from .dedupe_bodies import BODY
-from .routed_experts import ROUTED
-from .split_segments import SEGMENT
+from ..ir import BODY, FLAT_INDEX, ROUTED, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, SegmentInfo, Step  # noqa: F401
+from . import PassContext, graph_pass
 
-SCHEDULE = "mt_schedule"
-
-
-@dataclass(frozen=True)
-class Step:
-    op: str          # "prefetch" | "wait" | "run" | "evict" | "grad_offload"
-    stream: str      # "h2d" | "compute" | "d2h"
-    segment: int     # index into Schedule.segments
-    nbytes: int = 0
-
-
-@dataclass
-class SegmentInfo:
-    name: str                      # submodule name in the top graph
-    group: int                     # weight group (-1 prologue)
-    weights: list[int]             # flat indices of the parameters it reads
-    grads: list[tuple[int, str]] = field(default_factory=list)  # (flat index, value) finalised here
-    weight_nbytes: int = 0
-    body: str = ""                 # the deduplicated body it runs ("" = its own submodule)
-    grad_nbytes: dict[int, int] = field(default_factory=dict)     # flat index -> gradient bytes
-    routed: list[int] = field(default_factory=list)  # weights whose expert rows are fetched by routing
-
-
-@dataclass
-class Schedule:
-    direction: str
-    slots: int
-    segments: list[SegmentInfo]
-    steps: list[Step]
-    lookahead: int = 1             # weight-reading segments prefetched ahead of the running one
-
-    def peak_resident_weight_bytes(self) -> int:
-        resident, peak = 0, 0
-        for s in self.steps:
-            if s.op == "prefetch":
-                resident += s.nbytes
-                peak = max(peak, resident)
-            elif s.op == "evict":
-                resident -= s.nbytes
-        return peak
 
 
 def _segment_infos(gm: fx.GraphModule, ctx: PassContext) -> list[SegmentInfo]:
@@ -144,7 +100,7 @@ def segment_costs(gm: fx.GraphModule, segments: list[SegmentInfo], hw) -> list:
     return costs
 
 
-@graph_pass("schedule", requires=(SEGMENT,), provides=())
+@graph_pass("schedule", reads=(SEGMENT, FLAT_INDEX), writes=(SCHEDULE,))
 def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     segments = _segment_infos(gm, ctx)
     lookahead = ctx.slots - 1

@@ -23,10 +23,10 @@ import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from ..cost_model import logical_bytes, node_flops
+from ..ir import AC_GRAPH_ID, RECOMPUTE, SELECTIVE
 from . import PassContext, graph_pass
 from .recompute_boundaries import forward_nodes
 
-SELECTIVE = "mt_selective_save"   # joint-graph node -> True where this pass chose to save it
 
 
 def candidates(gm: fx.GraphModule) -> dict[tuple, list[tuple[list[fx.Node], int, int]]]:
@@ -53,7 +53,7 @@ def candidates(gm: fx.GraphModule) -> dict[tuple, list[tuple[list[fx.Node], int,
     return out
 
 
-@graph_pass("selective_recompute", requires=("ac_graph_id",), provides=())
+@graph_pass("selective_recompute", reads=(AC_GRAPH_ID, RECOMPUTE), may_write=(SELECTIVE,))
 def selective_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.recompute != "selective":
         return gm

@@ -17,9 +17,9 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from . import GROUP, RANK, PassContext, graph_pass
+from ..ir import GROUP, RANK, SEGMENT
+from . import PassContext, graph_pass
 
-SEGMENT = "mt_segment"  # call_module node -> {"group", "rank", "outputs"}
 
 
 def _extract(gm: fx.GraphModule, members: list[fx.Node], member_set: set[fx.Node]):
@@ -44,7 +44,7 @@ def _extract(gm: fx.GraphModule, members: list[fx.Node], member_set: set[fx.Node
     return fx.GraphModule(root, graph), inputs, outputs
 
 
-@graph_pass("split_segments", requires=(RANK,), provides=(SEGMENT,))
+@graph_pass("split_segments", reads=(RANK, GROUP), writes=(SEGMENT,))
 def split_segments(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     by_rank: dict[int, list[fx.Node]] = defaultdict(list)
     for n in gm.graph.nodes:

@@ -12,13 +12,14 @@ import re
 
 import torch.fx as fx
 
-from . import FLAT_INDEX, WEIGHT_GROUP, PassContext, graph_pass
+from ..ir import FLAT_INDEX, WEIGHT_GROUP
+from . import PassContext, graph_pass
 
 _PRIMAL = re.compile(r"^primals_(\d+)$")
 _INFERENCE_ARG = re.compile(r"^arg(\d+)_1$")
 
 
-@graph_pass("tag_weights", provides=(FLAT_INDEX,))
+@graph_pass("tag_weights", writes=(FLAT_INDEX,), may_write=(WEIGHT_GROUP,))
 def tag_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "placeholder":

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from . import GROUP, RANK, PassContext, graph_pass, weight_only_nodes
+from ..ir import GROUP, RANK
+from . import PassContext, graph_pass, weight_only_nodes
 
 
-@graph_pass("unshare_weight_views", requires=(RANK,), provides=())
+@graph_pass("unshare_weight_views", reads=(RANK, GROUP))
 def unshare_weight_views(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     changed = False
     for n in reversed(weight_only_nodes(gm)):  # readers first, so a cloned chain splits in turn

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from . import grad_offload
 from .store import LOW_PRECISION, _master_entry, entry_of
@@ -300,6 +301,10 @@ class HostAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None, grad_scale: float = 1.0):
+        with record_function("megatrain.optimizer.step"):   # (updates on worker threads: until handed off)
+            return self._step(closure, grad_scale)
+
+    def _step(self, closure, grad_scale: float):
         self.synchronize()
         spec = self._disarm() if self._armed else {}
         self._norms = {}

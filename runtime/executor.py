@@ -15,13 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..passes import FLAT_INDEX, WEIGHT_GROUP
-from ..passes.dedupe_bodies import BODY
-from ..passes.memory_plan import MEMORY_PLAN
-from ..passes.schedule import SCHEDULE, Schedule
-from ..passes.split_segments import SEGMENT
+from ..ir import BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule
 from . import grad_offload
 from .weight_pool import DeviceWeightPool
 
@@ -87,6 +84,9 @@ class DirectionRunner:
         # the grad_offload step that completes each weight's gradient in this backward (the last,
         # should several segments send a contribution): from there an optimizer armed for the
         # backward may update it (runtime/adamw.py, overlap="backward")
+        # profiler range names: megatrain.<direction>.<op>.<segment> (e.g. megatrain.forward.run.seg_3)
+        self.labels = [f"megatrain.{direction}.{step.op}.{self.schedule.segments[step.segment].name}"
+                       for step in self.schedule.steps]
         self.final_offload: dict[int, int] = {}
         for step in self.schedule.steps:
             if step.op == "grad_offload":
@@ -127,49 +127,51 @@ class DirectionRunner:
         peak = live_bytes
         grads_bytes = 0
         t0 = time.perf_counter()
-        for step in self.schedule.steps:
-            k = step.segment
-            seg = self.schedule.segments[k]
-            if step.op == "prefetch":
-                pool.fetch(k, {i: entries[i] for i in seg.weights}, seg.routed, rows)
-            elif step.op == "wait":
-                pool.wait(k)
-            elif step.op == "evict":
-                pool.evict(k)
-            elif step.op == "run":
-                call = self.calls[k]
-                views = pool.views(k) if seg.weights else {}
-                inputs = []
-                for name, weight in call.inputs:
-                    if weight is None:
-                        inputs.append(env[name])
-                    else:
-                        if debug:
-                            pool.check_resident(k, weight, views.get(weight), entries[weight].name)
-                        inputs.append(views[weight])
-                if debug:
-                    _check_inputs_have_storage(inputs, call, k)
-                before = self._live(env) + pool.counters.resident_bytes
-                outs = self.runs[self.body_of[k]](*inputs)
-                for name, value in zip(call.outputs, outs):
-                    env[name] = value
-                after = self._live(env) + pool.counters.resident_bytes
-                peak = max(peak, before + self.transient[self.body_of[k]], after)
-                for name, _ in call.inputs:
-                    if self.last_use.get(name) == k:
-                        env.pop(name, None)
-                for name in call.outputs:
-                    if name not in self.last_use and name not in self.offloaded:
-                        env.pop(name, None)
-            elif step.op == "grad_offload":
-                items = []
-                for index, name in seg.grads:
-                    grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
-                    items.append((entries[index], grad, pool.routed_rows.get(index) if index in seg.routed else None,
-                                  self.final_offload[index] == k))
-                grads_bytes += program.grads.offload(items)
+        for label, step in zip(self.labels, self.schedule.steps):
+            with record_function(label):   # a profiler trace shows each schedule op per segment
+                k = step.segment
+                seg = self.schedule.segments[k]
+                if step.op == "prefetch":
+                    pool.fetch(k, {i: entries[i] for i in seg.weights}, seg.routed, rows)
+                elif step.op == "wait":
+                    pool.wait(k)
+                elif step.op == "evict":
+                    pool.evict(k)
+                elif step.op == "run":
+                    call = self.calls[k]
+                    views = pool.views(k) if seg.weights else {}
+                    inputs = []
+                    for name, weight in call.inputs:
+                        if weight is None:
+                            inputs.append(env[name])
+                        else:
+                            if debug:
+                                pool.check_resident(k, weight, views.get(weight), entries[weight].name)
+                            inputs.append(views[weight])
+                    if debug:
+                        _check_inputs_have_storage(inputs, call, k)
+                    before = self._live(env) + pool.counters.resident_bytes
+                    outs = self.runs[self.body_of[k]](*inputs)
+                    for name, value in zip(call.outputs, outs):
+                        env[name] = value
+                    after = self._live(env) + pool.counters.resident_bytes
+                    peak = max(peak, before + self.transient[self.body_of[k]], after)
+                    for name, _ in call.inputs:
+                        if self.last_use.get(name) == k:
+                            env.pop(name, None)
+                    for name in call.outputs:
+                        if name not in self.last_use and name not in self.offloaded:
+                            env.pop(name, None)
+                elif step.op == "grad_offload":
+                    items = []
+                    for index, name in seg.grads:
+                        grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
+                        items.append((entries[index], grad, pool.routed_rows.get(index) if index in seg.routed else None,
+                                      self.final_offload[index] == k))
+                    grads_bytes += program.grads.offload(items)
         if self.direction == "backward":
-            program.grads.drain()   # backward() returns with every gradient in param.grad
+            with record_function("megatrain.backward.grad_drain"):
+                program.grads.drain()   # backward() returns with every gradient in param.grad
         result = []
         for spec in self.output_spec:
             if spec is None or not isinstance(spec, str):

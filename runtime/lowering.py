@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from ..ir import materialize
+
 MODES = ("auto", "eager", "inductor")
 
 
@@ -64,7 +66,6 @@ def _static(body: fx.GraphModule) -> bool:
 
 def _inputs(body: fx.GraphModule, device: torch.device) -> list:
     """Random inputs of the traced shapes; a generator state input is the device's real one."""
-    from ..cost_model import _materialize
     rng = _rng_states(body)
     out = []
     for n in body.graph.nodes:
@@ -73,7 +74,7 @@ def _inputs(body: fx.GraphModule, device: torch.device) -> list:
         if n in rng:
             out.append(torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state())
             continue
-        v = _materialize(n)
+        v = materialize(n)
         out.append(v.to(device) if isinstance(v, torch.Tensor) else v)
     return out
 

@@ -438,8 +438,11 @@ def test_disable_passes_names_real_passes():
     lists = (backend.DYNAMO_PASSES, backend.JOINT_PASSES, backend.DIRECTION_PASSES)
     assert set(pass_names()) == {p.name for passes in lists for p in passes} and len(set(pass_names())) == len(pass_names())
     assert Options.from_mapping({"device": "cpu", "disable_passes": "dedupe_bodies"}).disable_passes == ("dedupe_bodies",)
-    assert Options.from_mapping({"device": "cpu", "disable_passes": ["schedule", "memory_plan"]}).disable_passes == \
-        ("schedule", "memory_plan")
+    assert Options.from_mapping({"device": "cpu", "disable_passes": ["dedupe_bodies", "memory_plan"]}).disable_passes \
+        == ("dedupe_bodies", "memory_plan")
+    # a pass that a later pass or the runtime reads is refused with the option, before any work
+    assert _error({"device": "cpu", "disable_passes": ["schedule"]}).startswith(
+        "option disable_passes=['schedule']: pass 'memory_plan' reads graph key 'mt_schedule'")
     assert Options.from_mapping({"device": "cpu", "disable_passes": ()}).disable_passes == ()
     msg = _option_error("disable_passes", ["schedule", "dedupe_body"])
     assert "'dedupe_body' is not one: did you mean 'dedupe_bodies'?" in msg and "memory_plan" in msg

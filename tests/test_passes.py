@@ -77,6 +77,72 @@ def test_disabled_pass_is_recorded_and_contracts_are_checked():
     import pytest
     from megacompile.passes import ContractError
     c = ctx(disabled=("layer_regions",))
-    with pytest.raises(ContractError, match="requires node tags"):
+    with pytest.raises(ContractError, match="reads node key 'mt_group'.*'layer_regions' writes, and it is disabled"):
         run_pipeline(joint_graph(), [tag_weights, layer_regions, recompute_boundaries], c)
-    assert ("layer_regions", "disabled", None) in c.records
+    assert c.records == []   # refused before the first pass ran
+    c = ctx(disabled=("recompute_boundaries",))
+    run_pipeline(joint_graph(), [tag_weights, layer_regions, recompute_boundaries], c)
+    assert [r[:2] for r in c.records] == [("tag_weights", "ran"), ("layer_regions", "ran"),
+                                          ("recompute_boundaries", "disabled")]
+
+
+def test_disabling_each_pass_runs_or_is_refused_before_any_work(monkeypatch):
+    """Every pass switched off in turn: the step runs (and computes eager's loss), or a
+    ContractError naming the reader and the disabled writer comes before any pass has run."""
+    import pytest
+    import torch
+
+    import megacompile.backend as backend
+    from conftest import batch, tiny_model
+    from megacompile.errors import ContractError
+    from megacompile.options import pass_names
+    calls = []
+    real = backend.run_pipeline
+    monkeypatch.setattr(backend, "run_pipeline", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ids, mask, labels = batch(2, 8)
+    eager = tiny_model("llama", layers=2)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    refused = []
+    for name in pass_names():
+        calls.clear()
+        torch._dynamo.reset()
+        cmodel = torch.compile(tiny_model("llama", layers=2), backend="megatrain",
+                               options={"device": "cpu", "disable_passes": [name]})
+        try:
+            loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+        except Exception as e:  # Dynamo wraps a backend's errors (BackendCompilerFailed)
+            inner = getattr(e, "inner_exception", e)
+            assert isinstance(inner, ContractError), (name, repr(inner))
+            assert f"pass {name!r} writes, and it is disabled" in str(inner) and not calls, name
+            refused.append(name)
+            continue
+        loss.backward()
+        torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
+    # the passes others read cannot be switched off; the rest can
+    assert set(refused) == {"tag_weights", "layer_regions", "recompute_boundaries", "split_segments", "schedule"}
+    with pytest.raises(ContractError, match="pass 'memory_plan' reads graph key 'mt_schedule'"):
+        backend.check_pipelines(("schedule",))
+
+
+def test_a_profiler_trace_shows_the_schedule_ops_per_segment():
+    """torch.profiler ranges named megatrain.<direction>.<op>.<segment> around every schedule op,
+    and the optimizer's step, on any device (here the CPU)."""
+    import torch
+
+    from conftest import batch, tiny_model
+    from megacompile.runtime.adamw import HostAdamW
+    model = tiny_model("llama", layers=2)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    opt = HostAdamW(model.parameters(), lr=1e-3)
+    ids, mask, labels = batch(2, 8)
+    cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # (compiles)
+    opt.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        opt.step()
+    names = {e.key for e in prof.key_averages() if e.key.startswith("megatrain.")}
+    ops = {tuple(n.split(".")[1:3]) for n in names}
+    assert {("forward", "prefetch"), ("forward", "wait"), ("forward", "run"), ("forward", "evict"),
+            ("backward", "run"), ("backward", "grad_offload"), ("backward", "grad_drain"),
+            ("optimizer", "step")} <= ops, sorted(names)
+    # one range per segment and op: the 2 decoder layers' forward runs are told apart
+    assert len({n for n in names if n.startswith("megatrain.forward.run.")}) >= 4

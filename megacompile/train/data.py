@@ -36,10 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..log import get as _get_logger
 # the registry, the loading and the example store live in their own files; their names stay here
 from .examples import IGNORE, Example, Examples
 from .registry import ATTR_KEYS, DataError, DatasetAttr, load_registry  # noqa: F401
 from .sources import FILE_TYPES, data_path, hub_reachable  # noqa: F401
+
+_log = _get_logger("train")
 
 # LLaMA-Factory's DatasetAttr defaults: the system, history and tools columns are read only when
 # dataset_info.json maps them (a record's unmapped "history" is not trained on, there as here:
@@ -253,7 +256,7 @@ def data_template(config, tokenizer):
             else pt_separator(tokenizer, config.template))
 
 
-def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples, dict[str, int]]:
+def build_examples(config, tokenizer, images=None, say=None) -> tuple[Examples, dict[str, int]]:
     """Every training example of the configured data sets (a compact `Examples` store), and counts
     (samples, dropped, records per data set) for the log. The data sets are loaded, sampled and
     mixed as LLaMA-Factory does (sources.py) and tokenized through datasets.map with a cache on
@@ -264,6 +267,7 @@ def build_examples(config, tokenizer, images=None, say=print) -> tuple[Examples,
     example still counts in the split), and each side becomes examples on its own (pt blocks and
     packed sequences never mix the two): the held-out examples are counts["held_out"] and
     counts["held_out_records"] the number of records they came from."""
+    say = say or _log.info
     from .tokenize_cache import tokenized
     check_datasets(config)
     template = data_template(config, tokenizer)

@@ -33,7 +33,10 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from ..log import get as _get_logger
 from .registry import DataError, DatasetAttr
+
+_log = _get_logger("train")
 
 FORMAT = "megatrain-tokenized-v1"
 META = "megatrain_tokenized.json"
@@ -190,9 +193,10 @@ def _has_data(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())   # LLaMA-Factory's has_tokenized_data
 
 
-def tokenized(config, tokenizer, template, images=None, say=print):
+def tokenized(config, tokenizer, template, images=None, say=None):
     """The mixed, tokenized table of the configured data sets and {data set: records}, from the
     cache or tokenized_path when they hold it, else built (and saved there)."""
+    say = say or _log.info
     import datasets
     datasets.disable_progress_bars()
     if config.tokenized_path and _has_data(Path(config.tokenized_path)):
@@ -277,8 +281,9 @@ def _say_unmapped(raw, attr: DatasetAttr, say) -> None:
             f"are): set columns: {{{', '.join(f'{c}: {c}' for c in unread)}}} there to use them.")
 
 
-def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=print) -> None:
+def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=None) -> None:
     """Loads, samples, tokenizes and mixes the data sets into `tmp` (see _save)."""
+    say = say or _log.info
     import numpy as np
 
     from .sources import mix, parse_probs, select_records

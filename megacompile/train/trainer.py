@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .. import vlm
+from .. import log as logs, vlm
 from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW
 from ..vlm import is_vlm
@@ -43,6 +43,8 @@ from .model_source import ModelSource
 from .preflight import PreflightError, check_device, plan_check, preflight  # noqa: F401 (PreflightError: API)
 from .report import open_reporter
 from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log
+
+log = logs.get("train")
 
 
 def load_model(config: TrainConfig, device: torch.device):
@@ -94,7 +96,8 @@ def _seed(seed: int) -> None:
 
 # the loop ---------------------------------------------------------------------------
 def say(text: str) -> None:
-    print(text, flush=True)
+    """One line of the run log (the `megatrain.train` logger; train() shows it on stdout)."""
+    log.info(text)
 
 
 def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: bool = True) -> dict:
@@ -102,6 +105,7 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     (after that step's checkpoint, if one is due), as an interruption would. Everything that can
     be checked is checked before the model's weights are loaded, and nothing in output_dir is
     deleted or moved before the first step starts."""
+    logs.console()   # the run log is this function's user interface
     device = check_device(config)
     with RunDir(config) as run:
         return _train(config, run, device, stop_at_step, progress)
