@@ -35,6 +35,7 @@ from .backend import Program, megatrain_backend, programs_of
 from . import meta_attention
 from .cost_model import body_cost, optimizer_seconds
 from .hardware import Hardware
+from .ir import schedule_program
 from .passes.memory_plan import value_bytes
 from .passes.schedule import segment_costs
 from .presets import load_config
@@ -50,6 +51,7 @@ class DirectionReport:
     passes: list
     lookahead: int = 1
     code: dict[str, str] = field(default_factory=dict)
+    program: str = ""              # the schedule as one FX program (ir.schedule_program)
 
 
 def segment_report(runner, hw: Hardware) -> tuple[list[dict], list[SegmentCost]]:
@@ -223,7 +225,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         directions[direction] = DirectionReport(
             segs, steps, runner.schedule.peak_resident_weight_bytes(), saved,
             program.pass_records.get(direction, []), runner.schedule.lookahead,
-            {name: body.code for name, body in runner.bodies.items()})
+            {name: body.code for name, body in runner.bodies.items()}, schedule_program(runner.graph).code)
     # (with the optimizer overlapped, t already holds its updates; what is left runs after)
     forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream != "host"), default=t)
     opt_end = t + optimizer_seconds(after, hardware)
@@ -322,6 +324,7 @@ def to_text(report: dict, show: str) -> str:
     for direction, d in report["directions"].items():
         lines.append(f"\n== {direction}")
         if show == "graphs":
+            lines.append(f"-- schedule program (transfers as prefetch/wait/evict/grad_offload ops)\n{d.program.strip()}")
             for name, code in d.code.items():
                 lines.append(f"-- body {name}\n{code.strip()}")
         elif show == "passes":

@@ -146,3 +146,79 @@ def materialize(a):
     if isinstance(a, (list, tuple)):
         return type(a)(materialize(x) for x in a)
     return a
+
+
+# the schedule as a program -------------------------------------------------------------
+# The transfer ops of a schedule program. They mark where the runtime moves data; the executor
+# (runtime/executor.py) runs a direction's schedule steps, so these are never called.
+def prefetch(segment: int, *weights):
+    """Copy the segment's weights host -> device (the h2d stream); its body may run after wait."""
+    raise NotImplementedError("schedule ops are run by runtime/executor.py")
+
+
+def wait(segment: int):
+    """The compute stream waits for the segment's prefetch."""
+    raise NotImplementedError("schedule ops are run by runtime/executor.py")
+
+
+def evict(segment: int):
+    """Free the segment's device weights (its slot takes the next prefetch)."""
+    raise NotImplementedError("schedule ops are run by runtime/executor.py")
+
+
+def grad_offload(segment: int, *grads):
+    """Send the gradients the segment finalised to the host (the d2h stream) into param.grad."""
+    raise NotImplementedError("schedule ops are run by runtime/executor.py")
+
+
+SCHEDULE_OPS = {"prefetch": prefetch, "wait": wait, "evict": evict, "grad_offload": grad_offload}
+
+
+def schedule_program(top: fx.GraphModule) -> fx.GraphModule:
+    """A direction graph with its schedule written out as one FX program: the weight and
+    gradient transfers as explicit nodes around the calls of the (deduplicated) bodies, in the
+    order the executor runs them (what `megatrain inspect --show graphs` prints):
+
+        prefetch = prefetch(0, primals_1); prefetch_1 = prefetch(1, primals_2, primals_3)
+        wait = wait(0); seg_0 = self.body_0(primals_1, primals_9); getitem = seg_0[0]
+        evict = evict(0); ...; grad_offload = grad_offload(3, getitem_12, getitem_13)
+    """
+    schedule: Schedule = top.meta[SCHEDULE]
+    nodes = list(top.graph.nodes)
+    calls = [n for n in nodes if n.op == "call_module" and SEGMENT in n.meta]
+    after: dict[int, list[fx.Node]] = {}   # other nodes, emitted after the segment run before them
+    current = -1
+    for n in nodes:
+        if n.op == "call_module" and SEGMENT in n.meta:
+            current = calls.index(n)
+        elif n.op not in ("placeholder", "output"):
+            after.setdefault(current, []).append(n)
+    g, env = fx.Graph(), {}
+
+    def arg(a):
+        return fx.map_arg(a, lambda x: env[x.name])
+
+    def copy_after(k: int) -> None:
+        for n in after.get(k, []):
+            env[n.name] = g.node_copy(n, lambda x: env[x.name])
+    for n in nodes:
+        if n.op == "placeholder":
+            env[n.name] = g.node_copy(n)
+    copy_after(-1)
+    for step in schedule.steps:
+        k, call = step.segment, calls[step.segment]
+        if step.op == "prefetch":
+            weights = [env[a.name] for a in call.all_input_nodes if WEIGHT_GROUP in a.meta]
+            g.call_function(prefetch, (k, *weights))
+        elif step.op in ("wait", "evict"):
+            g.call_function(SCHEDULE_OPS[step.op], (k,))
+        elif step.op == "run":
+            body = call.meta.get(BODY, call.target)
+            env[call.name] = g.call_module(body, arg(call.args), arg(call.kwargs))
+            env[call.name].name = call.name
+            copy_after(k)
+        elif step.op == "grad_offload":
+            g.call_function(grad_offload, (k, *[env[name] for _, name in schedule.segments[k].grads]))
+    out = next(n for n in nodes if n.op == "output")
+    g.output(arg(out.args[0]))
+    return fx.GraphModule(top, g)
