@@ -8,6 +8,7 @@ import torch
 
 import megacompile
 from conftest import batch, tiny_model
+from device_bytes import host_grads, measure_step
 from megacompile.backend import programs_of
 from megacompile.options import parse_bytes
 from megacompile.passes.memory_plan import CannotFitError
@@ -30,6 +31,43 @@ def test_plan_predicts_the_measured_peak(family):
     # the runtime counts shared storages once, the plan counts values: never below, within 2%
     assert measured <= planned <= 1.02 * measured
     assert program.runners["forward"].plan.peak_weight_bytes == megacompile.stats(cmodel)["peak_device_weight_bytes"]
+
+
+def _planned_and_probed(family: str, overlap_grads: bool = True) -> tuple[int, int]:
+    """(planned peak, independently measured peak) of a compiled step's second run."""
+    model = tiny_model(family, layers=3)
+    cmodel = step(model, overlap_grads=overlap_grads)   # (compiles)
+    program = programs_of(model)[0]
+    model.zero_grad(set_to_none=True)
+    ids, mask, labels = batch(2, 8, pad_left=1)
+    with measure_step(program) as probe:
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    planned = max(program.runners[d].plan.peak_bytes for d in ("forward", "backward"))
+    return planned, probe.peak(exclude=host_grads(model))
+
+
+def _plan_holds(planned: int, probed: int) -> bool:
+    # the plan is an upper bound (the budget check refuses on it): never below what the step's
+    # tensors hold; and not far above (measured 0.85 of it here: values counted at their planned
+    # lifetimes, the grads until their offload)
+    return probed <= planned <= 1.4 * probed
+
+
+@pytest.mark.parametrize("family, overlap_grads", [("llama", True), ("qwen3", False)])
+def test_plan_bounds_the_independently_measured_peak(family, overlap_grads):
+    planned, probed = _planned_and_probed(family, overlap_grads)
+    assert _plan_holds(planned, probed), (planned, probed)
+
+
+@pytest.mark.parametrize("factor", [0.5, 2.0])
+def test_a_wrong_plan_fails_the_independent_check(monkeypatch, factor):
+    """The measurement does not follow the plan: values sized wrongly (a dtype mix-up) make the
+    same comparison fail."""
+    import megacompile.passes.memory_plan as memory_plan
+    real = memory_plan._tensor_bytes
+    monkeypatch.setattr(memory_plan, "_tensor_bytes", lambda v: int(real(v) * factor))
+    planned, probed = _planned_and_probed("llama")
+    assert not _plan_holds(planned, probed), (planned, probed)
 
 
 def test_budget_too_small_is_refused_with_the_smallest_that_fits():

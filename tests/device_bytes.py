@@ -1,0 +1,101 @@
+"""Device bytes of a compiled CPU training step, measured from the tensors themselves.
+
+An accounting independent of the memory plan's liveness and of the executor's own counters:
+a TorchDispatchMode, active while the executor runs a direction (DirectionRunner.__call__),
+records every storage an op allocates (outputs that are neither views nor one of the op's
+inputs) and drops it when the last tensor on it dies (weakref finalizers). The timeline is kept,
+so storages that turn out to be host memory (parameters' `.grad`, accumulated on the host) can
+be left out afterwards. The weight pool's CPU free list (a stand-in for a caching allocator's
+reserve: evicted buffers kept for reuse) is turned off, so an evicted slot is freed memory.
+
+    with measure_step(model) as probe:
+        cmodel(**batch).loss.backward()
+    probe.peak(exclude=host_grads(model))
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class LiveStorages(TorchDispatchMode):
+    supports_higher_order_operators = True   # (run_and_save_rng_state in the bodies: run as is)
+
+    def __init__(self):
+        super().__init__()
+        self.sizes: dict[int, int] = {}
+        self.holders: dict[int, int] = {}
+        self.events: list[tuple[int, int]] = []   # (storage, +bytes allocated / -bytes freed)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if getattr(func, "is_view", False):
+            return out
+        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
+                self._see(t)
+        return out
+
+    def _see(self, t: torch.Tensor) -> None:
+        key = _key(t)
+        if key not in self.sizes:
+            self.sizes[key] = t.untyped_storage().nbytes()
+            self.holders[key] = 0
+            self.events.append((key, self.sizes[key]))
+        self.holders[key] += 1
+        weakref.finalize(t, self._release, key)
+
+    def _release(self, key: int) -> None:
+        self.holders[key] -= 1
+        if self.holders[key] == 0:
+            self.events.append((key, -self.sizes.pop(key)))
+            del self.holders[key]
+
+    def peak(self, exclude=frozenset()) -> int:
+        now = peak = 0
+        for key, n in self.events:
+            if key not in exclude:
+                now += n
+                peak = max(peak, now)
+        return peak
+
+
+class _NoCache(dict):
+    """The pool's free list, keeping nothing: an evicted buffer dies with its last view."""
+
+    def setdefault(self, key, default=None):
+        return []
+
+
+@contextlib.contextmanager
+def measure_step(program):
+    """Measure what the executor allocates while the block runs (forward and backward)."""
+    from megacompile.runtime.executor import DirectionRunner
+    probe = LiveStorages()
+    original = DirectionRunner.__call__
+
+    def call(runner, args):
+        if runner.program is not program:
+            return original(runner, args)
+        with probe:
+            return original(runner, args)
+    program.pool._free = _NoCache()
+    DirectionRunner.__call__ = call
+    try:
+        yield probe
+    finally:
+        DirectionRunner.__call__ = original
+
+
+def host_grads(model) -> set[int]:
+    """The storages of the parameters' gradients (host memory, not device)."""
+    return {_key(p.grad) for p in model.parameters() if p.grad is not None}
