@@ -1,12 +1,12 @@
-"""Graph passes: each file holds one transform `(gm, ctx) -> gm` with a declared contract: the
+"""Graph passes: each file holds one transform `(gm, opts) -> gm` with a declared contract: the
 metadata keys (megacompile/ir.py: node tags in `node.meta`, results in `gm.meta`) it reads and
-writes. Those keys are the only interface between passes, and with the runtime. A pass may
+writes, and the options it uses (PassContext fields: the pipeline hands it those alone). Those keys are the only interface between passes, and with the runtime. A pass may
 rewrite the graph it is given in place (the backend hands a copy to a trial run). The pipeline
 checks the contracts of all its passes before the first runs, can skip any pass by name
 (`options={"disable_passes": [...]}`) for bisecting, and with debug_passes logs op counts.
 
-    @graph_pass("split_segments", reads=(RANK, GROUP), writes=(SEGMENT,))
-    def split_segments(gm, ctx): ...
+    @graph_pass("schedule", reads=(SEGMENT, FLAT_INDEX), writes=(SCHEDULE,), uses=("slots", "hardware", ...))
+    def schedule(gm, opts): ...   # opts.slots; opts.kernels would be an AttributeError
 """
 from __future__ import annotations
 
@@ -60,6 +60,27 @@ class PassContext:
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)
 
+    def view(self, name: str, uses: tuple[str, ...]) -> PassOptions:
+        """What pass `name` declared it uses (and `records`, where passes note what they did)."""
+        return PassOptions(name, {f: getattr(self, f) for f in uses}, self.records)
+
+
+class PassOptions:
+    """The options one pass receives: the PassContext fields it declared (`uses`), nothing else.
+
+        opts = ctx.view("schedule", ("slots", "hardware"))
+        opts.slots          # 2
+        opts.kernels        # AttributeError: pass 'schedule' reads option 'kernels' it does not declare
+    """
+
+    def __init__(self, name: str, values: dict[str, Any], records: list):
+        self.__dict__.update(values)
+        self._name, self.records = name, records
+
+    def __getattr__(self, field: str):   # (only for names not set above)
+        raise AttributeError(f"pass {self._name!r} reads option {field!r} it does not declare: add it to its "
+                             "graph_pass(uses=...)")
+
 
 @dataclass(frozen=True)
 class GraphPass:
@@ -73,19 +94,24 @@ class GraphPass:
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     may_write: tuple[str, ...] = ()
+    uses: tuple[str, ...] = ()           # the PassContext fields (options) it reads
 
-    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext | PassOptions) -> fx.GraphModule:
         return self.fn(gm, ctx)
 
 
-def graph_pass(name: str, reads=(), writes=(), may_write=()):
-    """Decorator declaring a pass and its contract (keys from megacompile/ir.py)."""
+def graph_pass(name: str, reads=(), writes=(), may_write=(), uses=()):
+    """Decorator declaring a pass and its contract (keys from megacompile/ir.py) and the options
+    it uses (PassContext fields; the pipeline hands it those alone)."""
     for key in (*reads, *writes, *may_write):
         if key not in KEYS:
             raise ValueError(f"pass {name!r}: {key!r} is not a metadata key of megacompile/ir.py")
+    fields = {f.name for f in dataclasses.fields(PassContext)}
+    if not set(uses) <= fields:
+        raise ValueError(f"pass {name!r}: uses {sorted(set(uses) - fields)}, which are not PassContext fields")
 
     def wrap(fn):
-        return GraphPass(name, fn, tuple(reads), tuple(writes), tuple(may_write))
+        return GraphPass(name, fn, tuple(reads), tuple(writes), tuple(may_write), tuple(uses))
     return wrap
 
 
@@ -135,7 +161,7 @@ def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassContext) 
             ctx.records.append((p.name, "disabled", None))
             continue
         before = _op_counts(gm) if ctx.debug else None
-        gm = p(gm, ctx)
+        gm = p(gm, ctx.view(p.name, p.uses))
         lost = [k for k in p.writes if k not in _keys_present(gm)]
         if lost:
             raise ContractError(f"pass {p.name!r} promised {lost} but did not write them.")

@@ -150,7 +150,7 @@ def _replace_swiglu(gm: fx.GraphModule, mul: fx.Node) -> bool:
     return True
 
 
-@graph_pass("fused_kernels", may_write=(REPLACED,))
+@graph_pass("fused_kernels", may_write=(REPLACED,), uses=("kernels",))
 def fused_kernels(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.kernels != "triton":
         return gm

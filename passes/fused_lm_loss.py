@@ -113,7 +113,7 @@ def _without(value, dropped: fx.Node):
     return value
 
 
-@graph_pass("fused_lm_loss", may_write=(REPLACED,))
+@graph_pass("fused_lm_loss", may_write=(REPLACED,), uses=("logits",))
 def fused_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.logits != "drop":
         return gm

@@ -66,7 +66,8 @@ def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
     return None
 
 
-@graph_pass("layer_regions", reads=(FLAT_INDEX,), writes=(GROUP, RANK))
+@graph_pass("layer_regions", reads=(FLAT_INDEX,), writes=(GROUP, RANK),
+            uses=("direction", "module_groups", "num_groups"))
 def layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = list(gm.graph.nodes)
     asap: dict[fx.Node, int] = {}   # weight-dependent nodes only

@@ -99,7 +99,7 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
         + ". Or lower the batch size or sequence length, or set recompute_head=True.")
 
 
-@graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,))
+@graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,), uses=("device", "hardware"))
 def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = gm.meta[SCHEDULE]
     calls = [n for n in gm.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]

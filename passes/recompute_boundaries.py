@@ -33,7 +33,8 @@ def forward_nodes(gm: fx.GraphModule) -> set[fx.Node]:
     return {n for n in gm.graph.nodes if n not in backward and n.op not in ("placeholder", "output")}
 
 
-@graph_pass("recompute_boundaries", reads=(GROUP,), writes=(RECOMPUTE, AC_GRAPH_ID))
+@graph_pass("recompute_boundaries", reads=(GROUP,), writes=(RECOMPUTE, AC_GRAPH_ID),
+            uses=("num_groups", "recompute_head"))
 def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     fwd = forward_nodes(gm)
     weight_only = set(weight_only_nodes(gm, fwd))

@@ -25,7 +25,7 @@ def _retarget(value, target: torch.device):
     return value
 
 
-@graph_pass("retarget_device")
+@graph_pass("retarget_device", uses=("device",))
 def retarget_device(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     target = torch.device(ctx.device) if ctx.device is not None else torch.device("cpu")
     if target.type == "cpu":

@@ -72,7 +72,7 @@ def _routed_uses(weight: fx.Node, ops: set) -> list[tuple[fx.Node, list[fx.Node]
     return uses or None
 
 
-@graph_pass("routed_experts", reads=(FLAT_INDEX,), may_write=(ROUTED,))
+@graph_pass("routed_experts", reads=(FLAT_INDEX,), may_write=(ROUTED,), uses=("direction", "routed_experts"))
 def routed_experts(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.routed_experts or ctx.direction == "joint":
         return gm

@@ -100,7 +100,8 @@ def segment_costs(gm: fx.GraphModule, segments: list[SegmentInfo], hw) -> list:
     return costs
 
 
-@graph_pass("schedule", reads=(SEGMENT, FLAT_INDEX), writes=(SCHEDULE,))
+@graph_pass("schedule", reads=(SEGMENT, FLAT_INDEX), writes=(SCHEDULE,),
+            uses=("direction", "flat_groups", "hardware", "slots", "weight_nbytes"))
 def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     segments = _segment_infos(gm, ctx)
     lookahead = ctx.slots - 1

@@ -53,7 +53,8 @@ def candidates(gm: fx.GraphModule) -> dict[tuple, list[tuple[list[fx.Node], int,
     return out
 
 
-@graph_pass("selective_recompute", reads=(AC_GRAPH_ID, RECOMPUTE), may_write=(SELECTIVE,))
+@graph_pass("selective_recompute", reads=(AC_GRAPH_ID, RECOMPUTE), may_write=(SELECTIVE,),
+            uses=("recompute", "selective_bytes"))
 def selective_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.recompute != "selective":
         return gm

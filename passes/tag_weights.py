@@ -19,7 +19,7 @@ _PRIMAL = re.compile(r"^primals_(\d+)$")
 _INFERENCE_ARG = re.compile(r"^arg(\d+)_1$")
 
 
-@graph_pass("tag_weights", writes=(FLAT_INDEX,), may_write=(WEIGHT_GROUP,))
+@graph_pass("tag_weights", writes=(FLAT_INDEX,), may_write=(WEIGHT_GROUP,), uses=("flat_groups",))
 def tag_weights(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     for node in gm.graph.nodes:
         if node.op != "placeholder":

@@ -146,3 +146,24 @@ def test_a_profiler_trace_shows_the_schedule_ops_per_segment():
             ("optimizer", "step")} <= ops, sorted(names)
     # one range per segment and op: the 2 decoder layers' forward runs are told apart
     assert len({n for n in names if n.startswith("megatrain.forward.run.")}) >= 4
+
+
+def test_a_pass_receives_only_the_options_it_declares():
+    import pytest
+
+    from megacompile.passes import graph_pass
+    seen = {}
+
+    @graph_pass("peek", uses=("slots",))
+    def peek(gm, opts):
+        seen["slots"] = opts.slots
+        opts.records.append(("peek", "noted", None))
+        return gm if not seen.get("greedy") else (gm, opts.kernels)
+    c = ctx()
+    run_pipeline(joint_graph(), [peek], c)
+    assert seen["slots"] == c.slots and ("peek", "noted", None) in c.records
+    seen["greedy"] = True
+    with pytest.raises(AttributeError, match="pass 'peek' reads option 'kernels' it does not declare"):
+        run_pipeline(joint_graph(), [peek], ctx())
+    with pytest.raises(ValueError, match="not PassContext fields"):
+        graph_pass("typo", uses=("slot",))(lambda gm, opts: gm)
