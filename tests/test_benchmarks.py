@@ -42,3 +42,11 @@ def test_step_overhead_benchmark_smoke_run():
 def test_moe_transfer_benchmark_smoke_run():
     out = run("moe_transfer.py", "--tokens", "8", "--steps", "1", "--only", "mixtral")
     assert any(line.startswith("mixtral (8 experts, top-2)") for line in out.splitlines()), out
+
+
+def test_kernels_benchmark_smoke_run():
+    out = run("kernels.py", "--device", "cpu", "--tokens", "16", "--hidden", "32", "--ffn", "64", "--vocab", "64",
+              "--repeat", "1", "--warmup", "1")
+    for op in ("rmsnorm", "swiglu", "lm head + CE"):
+        assert sum(line.startswith(op + " ") for line in out.splitlines()) == 2, (op, out)
+    assert "copy bandwidth" in out
