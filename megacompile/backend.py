@@ -237,7 +237,8 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     program = Program(capture, params, opts)
     trace_inputs = example_inputs
     # fused_kernels is a no-op unless the kernels resolve to Triton, fused_lm_loss unless
-    # logits="drop", retarget_device when the device is the CPU. Off the CPU, forward/backward are traced as they will run: device
+    # logits="drop", retarget_device when the device is the CPU. Off the CPU, forward/backward are
+    # traced as they will run: device
     # constants and fake inputs on the accelerator, so AOTAutograd selects its kernels (the host
     # copy stays the source).
     ctx = program.context("dynamo")

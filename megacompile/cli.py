@@ -141,7 +141,8 @@ def _plan(args) -> int:
     hardware = load_hardware(args.gpu, dtype)
     if args.host_ram is None and hardware.name != "cpu":
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
-                          "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with --gpu cpu).")
+                          "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with "
+                          "--gpu cpu).")
     host_ram = args.host_ram   # (bytes: byte_size)
     model, seq, slots, recompute, vision = args.model, args.seq, args.slots, args.recompute, args.vision
     logits, prepare = args.logits, None
@@ -220,11 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "directory, or a `megatrain train` YAML config (its model and cutoff_len)")
     pl.add_argument("--gpu", default="h200", help="hardware profile: h200, h100, gh200, a100, cpu (measured "
                                                    "here) or a JSON profile path")
-    pl.add_argument("--host-ram", type=byte_size, help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
+    pl.add_argument("--host-ram", type=byte_size,
+                    help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
                                        "--gpu cpu: this machine's)")
     pl.add_argument("--seq", type=positive_int, help="sequence length (tokens per sample; default 4096, or a train "
                                              "config's cutoff_len)")
-    pl.add_argument("--batch", type=positive_int, help="check this batch size (default: report the largest and the best)")
+    pl.add_argument("--batch", type=positive_int,
+                    help="check this batch size (default: report the largest and the best)")
     pl.add_argument("--slots", type=positive_int, default=2, help="decoder-layer weight slots on the device")
     pl.add_argument("--dtype", default="bfloat16", type=dtype_name, choices=["bfloat16", "float16", "float32"])
     pl.add_argument("--recompute", default="layer", choices=["layer", "selective"],

@@ -163,7 +163,8 @@ def text_positions(model, batch: int, seq: int) -> dict[str, torch.Tensor]:
     if not hasattr(base, "compute_3d_position_ids"):
         return {}
     text = model.config.get_text_config(decoder=True)
-    sections = (getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}).get("mrope_section")
+    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None) or {}
+    sections = rope.get("mrope_section")
     return {"position_ids": torch.zeros(len(sections or (0, 0, 0)), batch, seq, dtype=torch.long, device="meta")}
 
 
@@ -233,7 +234,8 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         directions["backward"].steps.append(TimedStep("optimizer", "host", -1, "all", after, t, opt_end))
     return {
         "version": 2,
-        "model": {"source": source, "model_type": config.model_type, "layers": config.get_text_config(decoder=True).num_hidden_layers,
+        "model": {"source": source, "model_type": config.model_type,
+                  "layers": config.get_text_config(decoder=True).num_hidden_layers,
                   "parameters": params, "dtype": str(dtype).replace("torch.", ""),
                   "distinct_layer_bodies": program.stats_now()["distinct_layer_bodies"]},
         "hardware": hardware.to_dict(),
@@ -301,7 +303,8 @@ def to_svg(report: dict, width: int = 1400) -> str:
     for direction, s in steps:
         x, w = left + s.start * scale, max((s.end - s.start) * scale, 0.5)
         y = top + lanes[s.stream] * lane_h + 4
-        out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{lane_h - 8}" fill="{_COLORS.get(s.op, "#999")}" '
+        out.append(f'<rect x="{x:.2f}" y="{y}" width="{w:.2f}" height="{lane_h - 8}" '
+                   f'fill="{_COLORS.get(s.op, "#999")}" '
                    f'opacity="{0.95 if direction == "forward" else 0.7}"><title>{direction} {s.op} {s.group}: '
                    f'{(s.end - s.start) * 1e3:.3f} ms, {s.nbytes} bytes</title></rect>')
     y = top + lane_h * len(lanes) + 25
@@ -324,7 +327,8 @@ def to_text(report: dict, show: str) -> str:
     for direction, d in report["directions"].items():
         lines.append(f"\n== {direction}")
         if show == "graphs":
-            lines.append(f"-- schedule program (transfers as prefetch/wait/evict/grad_offload ops)\n{d.program.strip()}")
+            lines.append("-- schedule program (transfers as prefetch/wait/evict/grad_offload ops)\n"
+                         + d.program.strip())
             for name, code in d.code.items():
                 lines.append(f"-- body {name}\n{code.strip()}")
         elif show == "passes":
@@ -344,8 +348,8 @@ def to_text(report: dict, show: str) -> str:
             for s in d.steps:
                 lines.append(f"  {s.start * 1e3:10.3f} {s.end * 1e3:10.3f}  {s.stream:<8} {s.op:<13} "
                              f"{s.group:<22} {s.nbytes}")
+    overlap = {"backward": " (updating each segment during the backward)",
+               "forward": " (the last step's updates under this forward)"}.get(report.get("overlap_optimizer"), "")
     lines.append(f"\nestimated step: forward + backward {report['forward_backward_seconds'] * 1e3:.1f} ms, "
-                 f"with the CPU optimizer {report['step_seconds'] * 1e3:.1f} ms"
-                 + {"backward": " (updating each segment during the backward)",
-                    "forward": " (the last step's updates under this forward)"}.get(report.get("overlap_optimizer"), ""))
+                 f"with the CPU optimizer {report['step_seconds'] * 1e3:.1f} ms" + overlap)
     return "\n".join(lines)

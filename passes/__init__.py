@@ -1,6 +1,7 @@
 """Graph passes: each file holds one transform `(gm, opts) -> gm` with a declared contract: the
 metadata keys (megacompile/ir.py: node tags in `node.meta`, results in `gm.meta`) it reads and
-writes, and the options it uses (PassContext fields: the pipeline hands it those alone). Those keys are the only interface between passes, and with the runtime. A pass may
+writes, and the options it uses (PassContext fields: the pipeline hands it those alone). Those
+keys are the only interface between passes, and with the runtime. A pass may
 rewrite the graph it is given in place (the backend hands a copy to a trial run). The pipeline
 checks the contracts of all its passes before the first runs, can skip any pass by name
 (`options={"disable_passes": [...]}`) for bisecting, and with debug_passes logs op counts.

@@ -113,7 +113,8 @@ def _replace_rmsnorm(gm: fx.GraphModule, key, run: list[fx.Node]) -> bool:
                                       (xs[0], weights[0], eps[0], offset, cast_before_weight))
         y = gm.graph.call_function(operator.getitem, (call, 0))
     for new in (call, y):
-        new.meta.update({k: v for k, v in out.meta.items() if k in ("nn_module_stack", "source_fn_stack", "stack_trace")})
+        new.meta.update({k: v for k, v in out.meta.items()
+                         if k in ("nn_module_stack", "source_fn_stack", "stack_trace")})
         new.meta[REPLACED] = "rms_norm"
     if "example_value" in out.meta:
         y.meta["example_value"] = out.meta["example_value"]

@@ -166,7 +166,8 @@ class DirectionRunner:
                     items = []
                     for index, name in seg.grads:
                         grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
-                        items.append((entries[index], grad, pool.routed_rows.get(index) if index in seg.routed else None,
+                        rows_fetched = pool.routed_rows.get(index) if index in seg.routed else None
+                        items.append((entries[index], grad, rows_fetched,
                                       self.final_offload[index] == k))
                     grads_bytes += program.grads.offload(items)
         if self.direction == "backward":
