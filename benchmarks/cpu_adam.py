@@ -54,7 +54,7 @@ def main() -> None:
     print(f"{n / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, torch {torch.__version__}")
 
     src, dst = torch.rand(n), torch.empty(n)
-    copy_s = median_seconds(lambda: dst.copy_(src), args.repeat)
+    copy_s = median_seconds(lambda: dst.copy_(src), args.repeat)  # noqa: F821
     copy_gbps = 8 * n / copy_s / 1e9
     del src, dst
 
@@ -68,18 +68,18 @@ def main() -> None:
     def ours(copy: bool):
         def run():
             step[0] += 1
-            ext.adamw_step(param.data, param.grad, m, v, low if copy else None, 1e-4, 0.9, 0.999, 1e-8, 0.01,
-                           step[0], 1.0, 0)
+            ext.adamw_step(param.data, param.grad, m, v, low if copy else None,  # noqa: F821
+                           1e-4, 0.9, 0.999, 1e-8, 0.01, step[0], 1.0, 0)
         return run
 
     def torch_opt(**kw):
-        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01, **kw)
+        opt = torch.optim.AdamW([param], lr=1e-4, weight_decay=0.01, **kw)  # noqa: F821
 
         def run(copy: bool):
             def step_fn():
                 opt.step()
                 if copy:
-                    low.copy_(param.data)
+                    low.copy_(param.data)  # noqa: F821
             return step_fn
         return run
 
@@ -104,7 +104,8 @@ def main() -> None:
         gbps = 30 * total / s / 1e9
         print(f"{name:<44} {s * 1e3:>8.1f} {total / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / copy_gbps:>7.0%}")
     ours_s = results["megatrain HostAdamW + bf16 copy (one pass)"]
-    print(f"\nspeed-up of the bf16 step over torch fused + copy: {results['torch AdamW fused + bf16 copy'] / ours_s:.2f}x,"
+    print(f"\nspeed-up of the bf16 step over torch fused + copy: "
+          f"{results['torch AdamW fused + bf16 copy'] / ours_s:.2f}x,"
           f" over torch foreach + copy: {results['torch AdamW foreach + bf16 copy'] / ours_s:.2f}x")
     print(f"per-tensor steps over a layer vs one flat tensor: {layer_s / flat_s:.3f}x the time")
 

@@ -29,8 +29,8 @@ SHAPES = {   # model_type, config overrides (expert count and top-k of the real 
     "gpt-oss (128, top-4)": ("gpt_oss", {"num_local_experts": 128, "num_experts_per_tok": 4}),
     "deepseek-v3 (256, top-8, 1 shared)": ("deepseek_v3", {
         "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "moe_intermediate_size": 32,
-        "first_k_dense_replace": 0, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1}),
+        "first_k_dense_replace": 0, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16, "n_group": 1, "topk_group": 1}),
 }
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, use_cache=False)

@@ -37,7 +37,6 @@ import traceback
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import megacompile
 from megacompile.hardware import load_hardware
 from megacompile.runtime.adamw import HostAdamW
 
@@ -167,7 +166,8 @@ def main() -> None:
     data = torch.randint(0, SHAPES[args.model]["vocab_size"], (args.batch, args.seq), device=device)
     tokens = args.batch * args.seq
     results, params = {}, 0
-    configs = ([] if args.skip_limit else [("limit (GPU-resident, per-layer ckpt)", lambda: limit_step(args, device, data))])
+    configs = ([] if args.skip_limit else
+               [("limit (GPU-resident, per-layer ckpt)", lambda: limit_step(args, device, data))])
     configs += [("megatrain plain", lambda: megatrain_step(args, device, data, False, PLAIN)),
                 ("megatrain", lambda: megatrain_step(args, device, data, False, ENGINE)),
                 ("megatrain +overlap fwd", lambda: megatrain_step(args, device, data, "forward", ENGINE)),
@@ -177,7 +177,8 @@ def main() -> None:
         configs = [(n, m) for n, m in configs if n in wanted or n.split(" (")[0] in wanted]
     print(f"{args.model}: batch {args.batch} x seq {args.seq} = {tokens} tokens, {args.dtype}, device {device}, "
           f"torch {torch.__version__}")
-    print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}", flush=True)
+    print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}",
+          flush=True)
     for name, make in configs:   # each row printed as it is measured: a run cut short keeps its rows
         try:
             t = time.perf_counter()

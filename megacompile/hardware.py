@@ -99,7 +99,8 @@ def _value_problems(data: dict) -> list[str]:
         elif key in _POSITIVE and not (_is_number(value) and value > 0):
             bad.append(f"{shown} must be a finite number > 0")
         elif key in _NON_NEGATIVE and not (_is_number(value) and value >= 0):
-            bad.append(f"{shown} must be a finite number >= 0" + (" (0: the default)" if key == "optimizer_gbps" else ""))
+            bad.append(f"{shown} must be a finite number >= 0"
+                       + (" (0: the default)" if key == "optimizer_gbps" else ""))
         elif key in _BOOLS and not isinstance(value, bool):
             bad.append(f"{shown} must be true or false")
     return bad
@@ -214,7 +215,8 @@ def gpu_profile(device: torch.device | str | int, dtype: torch.dtype = torch.bfl
     gib = torch.cuda.get_device_properties(dev).total_memory / 2**30
     builtin = profile_for_gpu_name(name)
     if builtin is not None:
-        return dataclasses.replace(builtin, device_memory_gib=gib), f"{name}: built-in {builtin.name} profile ({gib:.1f} GiB)"
+        return (dataclasses.replace(builtin, device_memory_gib=gib),
+                f"{name}: built-in {builtin.name} profile ({gib:.1f} GiB)")
     try:
         hw = measure_gpu(dev, dtype)
     except Exception as e:   # any failure to measure (out of memory, a driver error): still train
@@ -250,7 +252,7 @@ def _host_rates() -> tuple[float, float]:
     parameters at 32 B per parameter), measured once per process."""
     big = 16 * 2**20  # fp32 elements: 64 MiB
     x, z = torch.ones(big), torch.empty(big)
-    t_copy = _best_of(lambda: z.copy_(x), 5)
+    t_copy = _best_of(lambda: z.copy_(x), 5)  # noqa: F821
     del x, z
     params = [torch.nn.Parameter(torch.zeros(2 * 2**20)) for _ in range(8)]
     for p in params:
@@ -345,7 +347,8 @@ def host_memory_limit(proc_meminfo: str | os.PathLike = "/proc/meminfo",
                     continue
                 limit = int(raw)
                 used = max(0, (_read_int(d / "memory.current") or 0) - _stat_value(d / "memory.stat", "inactive_file"))
-                candidates.append((max(0, limit - used), f"cgroup memory.max {_fmt_gib(limit)} ({_fmt_gib(used)} in use)"))
+                candidates.append((max(0, limit - used),
+                                   f"cgroup memory.max {_fmt_gib(limit)} ({_fmt_gib(used)} in use)"))
         elif "memory" in controllers.split(","):   # cgroup v1 memory controller
             for d in _cgroup_dirs(root / "memory", rel):
                 limit = _read_int(d / "memory.limit_in_bytes")
@@ -383,7 +386,7 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> Hardware:
     t_mm = _best_of(lambda: torch.mm(a, b), 5)
     big = 16 * 2**20  # fp32 elements: 64 MiB
     x, y, z = torch.ones(big), torch.ones(big), torch.empty(big)
-    t_add = _best_of(lambda: torch.add(x, y, out=z), 5)
+    t_add = _best_of(lambda: torch.add(x, y, out=z), 5)  # noqa: F821
     tiny = torch.ones(8)
     add = torch.ops.aten.add.Tensor
     t_op = _best_of(lambda: add(tiny, tiny), 5, inner=200)
@@ -425,22 +428,22 @@ def measure_gpu(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, n:
         with torch.cuda.device(device) if cuda else contextlib.nullcontext():
             a = torch.randn(n, n, device=device, dtype=dtype)
             b = torch.randn(n, n, device=device, dtype=dtype)
-            t_mm = _best_of(lambda: torch.mm(a, b), 5, inner=10, sync=sync)
+            t_mm = _best_of(lambda: torch.mm(a, b), 5, inner=10, sync=sync)  # noqa: F821
             del a, b
             host = torch.empty(link_bytes, dtype=torch.uint8, pin_memory=cuda)
             dev = torch.empty(link_bytes, dtype=torch.uint8, device=device)
-            t_h2d = _best_of(lambda: dev.copy_(host, non_blocking=True), 4, sync=sync)
-            t_d2h = _best_of(lambda: host.copy_(dev, non_blocking=True), 4, sync=sync)
+            t_h2d = _best_of(lambda: dev.copy_(host, non_blocking=True), 4, sync=sync)  # noqa: F821
+            t_d2h = _best_of(lambda: host.copy_(dev, non_blocking=True), 4, sync=sync)  # noqa: F821
             del host, dev
             elems = memory_bytes // 4
             x = torch.ones(elems, device=device)
             y = torch.ones(elems, device=device)
             z = torch.empty(elems, device=device)
-            t_add = _best_of(lambda: torch.add(x, y, out=z), 5, inner=10, sync=sync)
+            t_add = _best_of(lambda: torch.add(x, y, out=z), 5, inner=10, sync=sync)  # noqa: F821
             del x, y, z
             tiny = torch.ones(8, device=device)
             add = torch.ops.aten.add.Tensor
-            t_op = _best_of(lambda: add(tiny, tiny), 5, inner=200, sync=sync)
+            t_op = _best_of(lambda: add(tiny, tiny), 5, inner=200, sync=sync)  # noqa: F821
             del tiny
         if cuda:
             name = torch.cuda.get_device_name(device)

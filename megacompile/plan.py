@@ -351,7 +351,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 overlapped[mode] = times["forward"] + times["backward"] - times[mode] + after + makespan(
                     simulate(steps, costs, hardware, optimizer_s_per_byte=per_byte, optimizer=mode))
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
-                             captured=b in (2, 4) or b in m.checked, overlap_backward_seconds=overlapped.get("backward"),
+                             captured=b in (2, 4) or b in m.checked,
+                             overlap_backward_seconds=overlapped.get("backward"),
                              overlap_forward_seconds=overlapped.get("forward"))
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
@@ -435,13 +436,15 @@ def to_text(plan: Plan) -> str:
              f"  of which pinned         {_fmt(h.pinned):>12}",
              "",
              f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
-             *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device (taken out of the usable figure); "
+             *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device "
+                "(taken out of the usable figure); "
                 "its activations (which grow with the images per batch) are not counted"] if plan.vision else []),
              f"  {'batch':>6} {'peak':>12} {'forward':>10} {'backward':>10} {'optimizer':>10} {'step':>10} "
              f"{'tokens/s':>10}"]
     for b in plan.batches:
         mark = " <- best" if plan.best is b else ""
-        lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>11}{'*' if b.captured else ' '} {b.forward_seconds:>9.3f}s "
+        lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>11}{'*' if b.captured else ' '} "
+                     f"{b.forward_seconds:>9.3f}s "
                      f"{b.backward_seconds:>9.3f}s {b.optimizer_seconds:>9.3f}s {b.step_seconds:>9.3f}s "
                      f"{plan.tokens_per_s(b):>10.0f}{mark}")
     lines.append("  (* captured at that batch; other peaks interpolated from batch 2 and 4)")

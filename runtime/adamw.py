@@ -43,7 +43,8 @@ def kernel():
         try:
             from torch.utils.cpp_extension import load
             _KERNEL.append(load(name="megatrain_adamw", sources=[str(Path(__file__).with_name("csrc") / "adamw.cpp")],
-                                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"],
+                                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off",
+                                              "-fopenmp"],
                                 extra_ldflags=["-fopenmp"], verbose=False))
         except Exception as e:  # no compiler / ninja: torch's fused kernel + a copy
             warnings.warn(f"megatrain: the fused host AdamW kernel could not be built ({type(e).__name__}: "
@@ -377,7 +378,8 @@ class HostAdamW(torch.optim.Optimizer):
         weights, low = self._buffers(p)
         state = self.state[p]
         fast = (weights.device.type == "cpu" and weights.dtype == torch.float32 and weights.is_contiguous()
-                and grad.dtype == torch.float32 and grad.is_contiguous() and (low is None or low.dtype in LOW_PRECISION))
+                and grad.dtype == torch.float32 and grad.is_contiguous()
+                and (low is None or low.dtype in LOW_PRECISION))
         ext = kernel() if fast else None
         if not fast:   # e.g. a VLM's vision tower on the GPU: torch's AdamW, in its dtype
             g = grad if grad_scale == 1.0 else grad * grad_scale

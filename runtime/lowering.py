@@ -17,7 +17,6 @@ per op, so results match eager within floating-point reassociation, not bit for 
 """
 from __future__ import annotations
 
-import copy
 import time
 from typing import Callable
 

@@ -75,7 +75,8 @@ FAMILIES: dict[str, Family] = {f.name or f.model_type: f for f in [
            why="attention and Mamba2 in parallel inside every layer, muP multipliers (the embedding "
                "multiplier's gradient is finished in the embedding's backward: one backward layer body)"),
     Family("nemotron_h", {"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp"],
-                          "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "chunk_size": 4, "n_groups": 1,
+                          "mamba_num_heads": 4, "mamba_head_dim": 16, "ssm_state_size": 8, "chunk_size": 4,
+                          "n_groups": 1,
                           "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                           "moe_shared_expert_intermediate_size": 16, "n_group": 1, "topk_group": 1}, 4,
            why="Nemotron-H: Mamba2, MoE, attention and MLP blocks, one per layer (four layer kinds)"),

@@ -28,7 +28,8 @@ def test_overlap_benchmark_smoke_run():
 def test_cpu_adam_benchmark_smoke_run():
     pytest.importorskip("ninja")
     out = run("cpu_adam.py", "--params", "1e5", "--repeat", "1")
-    for row in ("megatrain HostAdamW + bf16 copy", "torch AdamW fused + bf16 copy", "HostAdamW.step(), a layer's 12 tensors",
+    for row in ("megatrain HostAdamW + bf16 copy", "torch AdamW fused + bf16 copy",
+                "HostAdamW.step(), a layer's 12 tensors",
                 "copy bandwidth", "per-tensor steps over a layer vs one flat tensor"):
         assert row in out, (row, out)
 

@@ -79,7 +79,8 @@ def test_help_exits_0(capsys):
 @pytest.mark.parametrize("flag", ["--seq", "--batch", "--slots"])
 @pytest.mark.parametrize("value", ["0", "-4", "abc", "2.5", "99999999999999999999"])
 def test_sizes_must_be_positive_integers(command, flag, value, config_json, no_work, capsys):
-    assert main([command, str(config_json), flag, value, "--gpu", "h100", *(["--host-ram", "1T"] * (command == "plan"))]) == 2
+    assert main([command, str(config_json), flag, value, "--gpu", "h100",
+                 *(["--host-ram", "1T"] * (command == "plan"))]) == 2
     error_line(capsys, f"argument {flag}:", repr(value))
 
 
@@ -211,7 +212,8 @@ def test_encoder_decoder_models_are_refused_before_tracing(command, model_type, 
     monkeypatch.setattr(megacompile.inspect, "capture_program", lambda *a, **k: pytest.fail("traced"))
     path = tmp_path / "config.json"
     _config(model_type, **ENCODER_DECODER[model_type]).to_json_file(path)
-    assert main([command, str(path), "--seq", "16", "--gpu", "h100", *(["--host-ram", "1T"] * (command == "plan"))]) == 2
+    assert main([command, str(path), "--seq", "16", "--gpu", "h100",
+                 *(["--host-ram", "1T"] * (command == "plan"))]) == 2
     line = error_line(capsys, f"model_type={model_type!r}", "is an encoder-decoder model", "decoder-only")
     assert len(line) < 400   # not transformers' list of every causal-LM class
 
@@ -239,7 +241,8 @@ def test_model_without_a_causal_lm_class(tmp_path, capsys):
 def test_embedded_quickstart_model_resolves_to_its_preset():
     from megacompile.presets import load_config
     config = load_config("embedded:smollm2")
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) \
+        == ("llama", 30, 576, 49152)
 
 
 # -- plan: host RAM, hardware, train configs -------------------------------------------------------
@@ -410,7 +413,8 @@ def test_os_errors_on_user_files_are_user_errors(config_json, monkeypatch, capsy
 
 def test_inspect_writes_the_checked_output(config_json, tmp_path, capsys):
     out = tmp_path / "report.json"
-    assert main(["inspect", str(config_json), "--seq", "16", "--dtype", "bf16", "--format", "json", "-o", str(out)]) == 0
+    assert main(["inspect", str(config_json), "--seq", "16", "--dtype", "bf16", "--format", "json",
+                 "-o", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["model"]["dtype"] == "bfloat16" and report["model"]["layers"] == 2
     assert "wrote" in capsys.readouterr().err

@@ -464,7 +464,8 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tiny_dir, tmp_path):  #
     import time
     cfg = yaml_config(tmp_path, tiny_dir, max_steps=400, save_steps=2, per_device_train_batch_size=1)
     child = subprocess.Popen([sys.executable, "-m", "megacompile.cli", "train", str(cfg), "--no-progress"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     out, deadline = tmp_path / "out", time.time() + 300
     while not checkpoint.checkpoints(out) and child.poll() is None and time.time() < deadline:
         time.sleep(0.2)

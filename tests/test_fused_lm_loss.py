@@ -41,7 +41,8 @@ def fresh():
 
 def fused_count(model) -> int:
     records = programs_of(model)[-1].pass_records["dynamo"]
-    return next(c["lm_head_cross_entropy"] for name, what, c in records if name == "fused_lm_loss" and what == "replaced")
+    return next(c["lm_head_cross_entropy"] for name, what, c in records
+                if name == "fused_lm_loss" and what == "replaced")
 
 
 def grads(model):

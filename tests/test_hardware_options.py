@@ -436,8 +436,10 @@ def test_disable_passes_names_real_passes():
                                  "routed_experts", "split_segments", "dedupe_bodies", "schedule", "memory_plan"}
     from megacompile import backend
     lists = (backend.DYNAMO_PASSES, backend.JOINT_PASSES, backend.DIRECTION_PASSES)
-    assert set(pass_names()) == {p.name for passes in lists for p in passes} and len(set(pass_names())) == len(pass_names())
-    assert Options.from_mapping({"device": "cpu", "disable_passes": "dedupe_bodies"}).disable_passes == ("dedupe_bodies",)
+    assert set(pass_names()) == {p.name for passes in lists for p in passes} \
+        and len(set(pass_names())) == len(pass_names())
+    assert Options.from_mapping({"device": "cpu", "disable_passes": "dedupe_bodies"}).disable_passes \
+        == ("dedupe_bodies",)
     assert Options.from_mapping({"device": "cpu", "disable_passes": ["dedupe_bodies", "memory_plan"]}).disable_passes \
         == ("dedupe_bodies", "memory_plan")
     # a pass that a later pass or the runtime reads is refused with the option, before any work

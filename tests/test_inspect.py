@@ -92,7 +92,8 @@ def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):
     assert main(["inspect", str(config_json), "--seq", "16", "--format", "svg", "-o", str(svg)]) == 0
     import xml.etree.ElementTree as ET
     root = ET.fromstring(svg.read_text())
-    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.find("{http://www.w3.org/2000/svg}title") is not None]
+    rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect")
+             if r.find("{http://www.w3.org/2000/svg}title") is not None]
     assert any("prefetch" in r.find("{http://www.w3.org/2000/svg}title").text for r in rects)
     for show in ("schedule", "memory", "passes", "graphs"):
         assert main(["inspect", str(config_json), "--seq", "16", "--show", show]) == 0

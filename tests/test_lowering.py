@@ -1,6 +1,7 @@
 """runtime/lowering.py: segment bodies run eagerly or compiled by Inductor, chosen per distinct
 body. Inductor's numerics differ from eager only by reassociation: fp32 losses rel 1e-5 and
-gradients within 5e-5 (a tied embedding's two contributions after an AdamW step) over 2 steps. The Inductor tests compile C++ on the CPU (tens of seconds):
+gradients within 5e-5 (a tied embedding's two contributions after an AdamW step) over 2 steps.
+The Inductor tests compile C++ on the CPU (tens of seconds):
 marked slow; the CPU default (eager) and the option's validation run in CI.
 """
 from __future__ import annotations

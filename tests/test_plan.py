@@ -30,7 +30,8 @@ def test_plan_reports_host_parts_device_bytes_and_batches(config_json, capsys):
     n = plan["model"]["parameters"]
     host = plan["host"]
     # bf16 model: fp32 master 4 + AdamW 8 + bf16 transfer copy 2 (pinned on CUDA) + fp32 grad 4 bytes/param
-    assert (host["masters"], host["optimizer_state"], host["transfer_copy"], host["grads"]) == (4 * n, 8 * n, 2 * n, 4 * n)
+    assert (host["masters"], host["optimizer_state"], host["transfer_copy"], host["grads"]) \
+        == (4 * n, 8 * n, 2 * n, 4 * n)
     assert host["pinned"] == 2 * n and plan["fits"] and plan["problems"] == []
     assert plan["model"]["layer_kinds"] == 1 and plan["model"]["layers"] == 6
     rows = {b["batch"]: b for b in plan["batches"]}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import megacompile
-from conftest import Fp32MasterReference, batch, run_steps
+from conftest import batch, run_steps
 from families import FAMILIES, tiny_family_model
 
 EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")

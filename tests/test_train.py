@@ -295,7 +295,7 @@ def test_packing_has_no_cross_sample_leak(tiny_dir):
     samples run separately (block-diagonal attention, no target across the boundary)."""
     import copy
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from megacompile.train.data import Example, collate, pack
+    from megacompile.train.data import collate, pack
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir).train()
     ref = copy.deepcopy(model)

@@ -189,7 +189,7 @@ def _qwen_processor(tok):
     class ImagesOnlyQwenProcessor(Qwen2_5_VLProcessor):
         """Qwen2.5-VL's processor without its video half (which needs torchvision)."""
 
-        def __init__(self, image_processor, tokenizer):   # noqa: super() would build the video processor
+        def __init__(self, image_processor, tokenizer):   # (no super().__init__: it would build the video processor)
             self.image_processor, self.tokenizer = image_processor, tokenizer
             self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
             self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)

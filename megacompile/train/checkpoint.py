@@ -343,7 +343,8 @@ def read(path: str | Path) -> Loaded:
     except (json.JSONDecodeError, UnicodeDecodeError, rng_state.RNGStateError) as e:
         raise _damaged(path, "rng.pt" if legacy_rng else "rng.json", str(e)) from None
     except Exception as e:   # noqa: BLE001 - a legacy pickle that weights_only refuses
-        raise _damaged(path, "rng.pt", f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
+        raise _damaged(path, "rng.pt",
+                       f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
     return Loaded(path, masters, optimizer, rng, trainer)
 
 

@@ -13,7 +13,8 @@
 `file_name` is a file or a folder of json / jsonl / csv / parquet / arrow / txt files (read with
 `datasets`). The registry is read as LLaMA-Factory reads it (registry.py); the sets are loaded,
 sampled and mixed as it does (sources.py), tokenized through datasets.map with a cache on disk
-(tokenize_cache.py) and held as int32 arrays (examples.py). Alpaca records (instruction, input, output, optional system and history) and
+(tokenize_cache.py) and held as int32 arrays (examples.py). Alpaca records (instruction, input,
+output, optional system and history) and
 ShareGPT conversations (user/assistant turns, function_call/observation turns with a tools
 column, optional system; system, history and tools columns only when mapped, as LLaMA-Factory)
 become chat messages, encoded turn by turn as LLaMA-Factory does
@@ -121,7 +122,8 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, name: str) -> lis
     cols, tg = {**SHAREGPT_COLUMNS, **columns}, {**SHAREGPT_TAGS, **tags}
     if cols["messages"] not in record:
         raise DataError(f"data set {name!r} (sharegpt): records have no {cols['messages']!r} column "
-                        f"(has {sorted(record)}); set columns.messages (and tags for role/content) in dataset_info.json.")
+                        f"(has {sorted(record)}); set columns.messages (and tags for role/content) in "
+                        "dataset_info.json.")
     roles = {tg["user_tag"]: "user", tg["assistant_tag"]: "assistant", tg["system_tag"]: "system",
              tg["observation_tag"]: "observation", tg["function_tag"]: "function"}
     turns = list(record[cols["messages"]] or [])
@@ -455,7 +457,8 @@ class Order:
                             f"this run has {self.n} in batches of {self.batch}: resume with the same data and "
                             "per_device_train_batch_size.")
         if state.get("shuffle", True) != self.shuffle:   # (checkpoints before disable_shuffling: shuffled)
-            raise DataError(f"the checkpoint read the examples {'shuffled' if state.get('shuffle', True) else 'in order'}"
+            raise DataError("the checkpoint read the examples "
+                            f"{'shuffled' if state.get('shuffle', True) else 'in order'}"
                             f", this run would read them {'shuffled' if self.shuffle else 'in order'}: resume with "
                             f"disable_shuffling: {str(not state.get('shuffle', True)).lower()}.")
         self.seed, self.epoch, self.index = state["seed"], state["epoch"], state["index"]

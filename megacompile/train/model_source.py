@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ConfigError
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def _first_line(e: BaseException) -> str:
@@ -79,8 +80,8 @@ class ModelSource:
             raise ConfigError(f"model_name_or_path={source!r} is a file: give the folder of a Hugging Face model "
                               "(with config.json and its weights).")
         if not (path / "config.json").is_file():
-            raise ConfigError(f"model_name_or_path={source!r}: {path} holds no config.json, so it is not a Hugging Face "
-                              "model folder (save one with model.save_pretrained(folder)).")
+            raise ConfigError(f"model_name_or_path={source!r}: {path} holds no config.json, so it is not a "
+                              "Hugging Face model folder (save one with model.save_pretrained(folder)).")
         if not any((path / f).is_file() for f in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
             raise ConfigError(f"model_name_or_path={source!r}: {path} holds no weights (none of "
                               f"{', '.join(WEIGHT_FILES)}); copy the model's weight files into it.")

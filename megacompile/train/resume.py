@@ -6,7 +6,8 @@ Refused (the run would no longer continue the one it resumes): the sample order 
 (`per_device_train_batch_size`, `gradient_accumulation_steps`, `seed`,
 `disable_shuffling`), what is trained
 (`stage`, `torch_dtype`, `num_layers`, `vision`, `finetuning_type`, the freeze_* and lora keys) and,
-when the checkpoint has no data fingerprint, the data keys. The data keys (`dataset`, `dataset_dir`, `template`, `cutoff_len`,
+when the checkpoint has no data fingerprint, the data keys. The data keys (`dataset`, `dataset_dir`,
+`template`, `cutoff_len`,
 ...) and `model_name_or_path` are otherwise judged by content: a moved folder is fine when the
 examples' tokens are the same (the fingerprint, compared by the trainer) and the weights' names
 and shapes match (checked when the checkpoint loads). Everything else (learning rate and

@@ -90,7 +90,8 @@ class RunLock:
                 continue
             previous = os.read(fd, 4096).decode(errors="replace")
             if previous.strip():
-                self.note = f"a lock left by a run that ended without releasing it ({_describe(self.path)}) was taken over"
+                self.note = (f"a lock left by a run that ended without releasing it ({_describe(self.path)}) "
+                             "was taken over")
             os.lseek(fd, 0, os.SEEK_SET)
             os.ftruncate(fd, 0)
             os.write(fd, json.dumps({"holder": holder, "pid": os.getpid(), "host": socket.gethostname(),
@@ -110,7 +111,8 @@ class RunLock:
             return
         if host != socket.gethostname() or _pid_alive(int(pid)):
             os.close(fd)
-            raise ConfigError(f"output_dir {self.path.parent} is in use by another megatrain run ({info.get('holder')}); "
+            raise ConfigError(f"output_dir {self.path.parent} is in use by another megatrain run "
+                              f"({info.get('holder')}); "
                               f"if that run is gone, delete {self.path} and start again.")
 
     def release(self) -> None:
@@ -222,7 +224,8 @@ class RunDir:
                               "can write to.")
         model = _model_folder(cfg.model_name_or_path)
         if model is not None and _inside(out.resolve(), model):
-            raise ConfigError(f"output_dir {out} is {'the model folder' if out.resolve() == model else 'inside the model folder'} "
+            raise ConfigError(f"output_dir {out} is "
+                              f"{'the model folder' if out.resolve() == model else 'inside the model folder'} "
                               f"{model}: the run would write over the model it reads. Choose another output_dir.")
 
     def _decide(self) -> None:
@@ -253,8 +256,8 @@ class RunDir:
         if run:
             if not cfg.overwrite_output_dir:
                 raise ConfigError(f"output_dir {out} already holds a run: set resume_from_checkpoint: true to continue "
-                                  "it, or overwrite_output_dir: true to start over (its checkpoints and log are deleted "
-                                  "when the new run's first step starts).")
+                                  "it, or overwrite_output_dir: true to start over (its checkpoints and log are "
+                                  "deleted when the new run's first step starts).")
             self.replace_run = True
         elif foreign and not cfg.overwrite_output_dir:
             raise self._foreign(foreign)

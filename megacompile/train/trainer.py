@@ -315,7 +315,8 @@ def _stream_data(config: TrainConfig, tokenizer, images, sources: dict):
     for name, where in sources.items():
         say(f"[megatrain] data set {name}: {where} (streamed)")
     data = stream.open_stream(config, tokenizer, data_template(config, tokenizer), images)
-    say(f"[megatrain] streaming the examples (shuffle buffer {config.buffer_size if not config.disable_shuffling else 0}"
+    say("[megatrain] streaming the examples "
+        f"(shuffle buffer {config.buffer_size if not config.disable_shuffling else 0}"
         f"); the first one, [[not trained]]:\n{show_example(tokenizer, data.first)}")
     if config.eval_dataset:   # (a separate eval set is small: tokenized whole, through the cache)
         split = eval_set(dataclasses.replace(config, streaming=False), tokenizer, images, [], {})
@@ -413,8 +414,8 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                     eval_loss, eval_tokens, eval_seconds = evaluate(cmodel, model, optimizer, held,
                                                                     config.per_device_eval_batch_size,
                                                                     tokenizer.pad_token_id, images)
-                    row = {"step": state["step"], "epoch": _epoch(state, steps_per_epoch, order), key + "loss": eval_loss,
-                           key + "tokens": eval_tokens, key + "seconds": eval_seconds}
+                    row = {"step": state["step"], "epoch": _epoch(state, steps_per_epoch, order),
+                           key + "loss": eval_loss, key + "tokens": eval_tokens, key + "seconds": eval_seconds}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
                     reporter.log({f"{name}_loss" if name else "loss": eval_loss}, state["step"], prefix="eval")

@@ -105,7 +105,8 @@ def loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     # reduced by nll_loss over the row losses: its summation order and division are cross_entropy's
     # (a plain .sum() / n_valid differs from it by an ulp where the vector width changes the order)
     targets = torch.where(labels != ignore_index, 0, ignore_index)
-    loss = torch.nn.functional.nll_loss(-loss_rows.unsqueeze(1), targets, reduction=reduction, ignore_index=ignore_index)
+    loss = torch.nn.functional.nll_loss(-loss_rows.unsqueeze(1), targets, reduction=reduction,
+                                        ignore_index=ignore_index)
     if grad_hidden is not None:
         grad_hidden = grad_hidden.reshape(hidden.shape)
     if grad_weight is not None:

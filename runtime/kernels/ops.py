@@ -7,7 +7,8 @@
     megatrain::linear_cross_entropy(hidden, weight, labels, ignore_index, reduction,
                                     grad_hidden, grad_weight) -> (loss, dhidden, dweight)
 
-AOTAutograd traces a custom op as one node (shapes from its fake implementation, which like the kernels returns contiguous tensors) and its
+AOTAutograd traces a custom op as one node (shapes from its fake implementation, which like the
+kernels returns contiguous tensors) and its
 registered backward as the backward op's node, so megatrain's passes place both in layer
 bodies like any aten op, and the min-cut partitioner saves `rstd` (one float per row) rather
 than the fp32 upcast eager autograd keeps. Each op runs the Triton kernel on CUDA tensors (and

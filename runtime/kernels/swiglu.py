@@ -24,7 +24,7 @@ BLOCK = 1024
 
 
 @triton.jit
-def _swiglu_fwd_kernel(G, U, O, n_elements, EMULATE_RTNE: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(G, U, OUT, n_elements, EMULATE_RTNE: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_elements
@@ -32,7 +32,7 @@ def _swiglu_fwd_kernel(G, U, O, n_elements, EMULATE_RTNE: tl.constexpr, BLOCK: t
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     e = tl.exp(-tl.abs(g))  # stable sigmoid: exp never overflows
     s = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    tl.store(O + offs, to_dtype(g * s * u, O.dtype.element_ty, EMULATE_RTNE), mask=mask)
+    tl.store(OUT + offs, to_dtype(g * s * u, OUT.dtype.element_ty, EMULATE_RTNE), mask=mask)
 
 
 @triton.jit

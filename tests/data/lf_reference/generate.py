@@ -4,7 +4,8 @@ Run with LLaMA-Factory's interpreter (not a test dependency; the tests read refe
 
     # 1. the SmolLM2 tokenizer, saved from megatrain's venv (embedded:smollm2)
     .venv/bin/python -c "from transformers import AutoTokenizer; from megacompile import embedded as e; \\
-        p = e.find_gguf(); AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained('/tmp/smollm2_tok')"
+        p = e.find_gguf(); \\
+        AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name).save_pretrained('/tmp/smollm2_tok')"
     # 2. LLaMA-Factory's encoding of every case below
     /work/lfenv/bin/python tests/data/lf_reference/generate.py /tmp/smollm2_tok
 
