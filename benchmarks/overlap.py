@@ -123,7 +123,8 @@ def megatrain_step(args, device, data, overlap, options: dict):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     cmodel = torch.compile(model, backend="megatrain",
-                           options={"device": str(device), "slots": args.slots, **options})
+                           options={"device": str(device), "slots": args.slots, "lowering": args.lowering,
+                                    **options})
     opt = HostAdamW(model.parameters(), lr=1e-5, overlap=overlap)
     data = data.cpu()   # (the batch lives with the model, on the host: the program moves it)
 
@@ -159,6 +160,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--max-grad-norm", type=float, default=0.0, help="clip (0: no clipping)")
     ap.add_argument("--skip-limit", action="store_true", help="skip the GPU-resident limit (e.g. it does not fit)")
+    ap.add_argument("--lowering", default="auto", choices=["auto", "eager", "inductor"],
+                    help="how segment bodies run (auto: Inductor-compiled and timed per body on CUDA, which adds "
+                         "compile time to the first step; eager: their aten ops)")
     ap.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
     args = ap.parse_args()
     device = torch.device(args.device)
