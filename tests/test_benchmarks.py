@@ -46,7 +46,7 @@ def test_moe_transfer_benchmark_smoke_run():
 
 
 def test_kernels_benchmark_smoke_run():
-    out = run("kernels.py", "--device", "cpu", "--tokens", "16", "--hidden", "32", "--ffn", "64", "--vocab", "64",
+    out = run("kernel_speed.py", "--device", "cpu", "--tokens", "16", "--hidden", "32", "--ffn", "64", "--vocab", "64",
               "--repeat", "1", "--warmup", "1")
     for op in ("rmsnorm", "swiglu", "lm head + CE"):
         assert sum(line.startswith(op + " ") for line in out.splitlines()) == 2, (op, out)

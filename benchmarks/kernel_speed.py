@@ -11,8 +11,8 @@ with the bytes each must move at least (inputs read, outputs written, once) as G
 fraction of the measured copy bandwidth, the speed-up over eager, and the peak device memory
 of each (the LM head's point is the logits it never holds).
 
-    python benchmarks/kernels.py                                 # on CUDA, 8192 tokens, bf16
-    python benchmarks/kernels.py --device cpu --tokens 64 --hidden 64 --ffn 128 --vocab 256 --repeat 1  # smoke
+    python benchmarks/kernel_speed.py                                 # on CUDA, 8192 tokens, bf16
+    python benchmarks/kernel_speed.py --device cpu --tokens 64 --hidden 64 --ffn 128 --vocab 256 --repeat 1  # smoke
 """
 from __future__ import annotations
 
