@@ -10,11 +10,12 @@ reserve: evicted buffers kept for reuse) is turned off, so an evicted slot is fr
 
     with measure_step(model) as probe:
         cmodel(**batch).loss.backward()
-    probe.peak(exclude=host_grads(model))
+    probe.peak(exclude=host_grads(probe, model))
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import weakref
 
 import torch
@@ -31,9 +32,8 @@ class LiveStorages(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.sizes: dict[int, int] = {}
-        self.holders: dict[int, int] = {}
-        self.events: list[tuple[int, int]] = []   # (storage, +bytes allocated / -bytes freed)
+        self.live: dict[int, list[int]] = {}       # storage address -> [allocation number, bytes, tensors]
+        self.events: list[tuple[int, int]] = []    # (allocation number, +bytes allocated / -bytes freed)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -47,23 +47,28 @@ class LiveStorages(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor) -> None:
         key = _key(t)
-        if key not in self.sizes:
-            self.sizes[key] = t.untyped_storage().nbytes()
-            self.holders[key] = 0
-            self.events.append((key, self.sizes[key]))
-        self.holders[key] += 1
+        if key not in self.live:   # (an address is reused after a free: allocations are numbered)
+            self.live[key] = [len(self.events), t.untyped_storage().nbytes(), 0]
+            self.events.append((self.live[key][0], self.live[key][1]))
+        self.live[key][2] += 1
         weakref.finalize(t, self._release, key)
 
     def _release(self, key: int) -> None:
-        self.holders[key] -= 1
-        if self.holders[key] == 0:
-            self.events.append((key, -self.sizes.pop(key)))
-            del self.holders[key]
+        entry = self.live[key]
+        entry[2] -= 1
+        if entry[2] == 0:
+            self.events.append((entry[0], -entry[1]))
+            del self.live[key]
+
+    def allocations_of(self, tensors) -> set[int]:
+        """The allocation numbers of the storages of `tensors` (alive now)."""
+        return {self.live[_key(t)][0] for t in tensors if _key(t) in self.live}
 
     def peak(self, exclude=frozenset()) -> int:
+        """The most bytes live at once, leaving out the allocations numbered in `exclude`."""
         now = peak = 0
-        for key, n in self.events:
-            if key not in exclude:
+        for number, n in self.events:
+            if number not in exclude:
                 now += n
                 peak = max(peak, now)
         return peak
@@ -90,12 +95,17 @@ def measure_step(program):
             return original(runner, args)
     program.pool._free = _NoCache()
     DirectionRunner.__call__ = call
+    # no cycle collection during the step: it would free cyclic garbage at moments that vary from
+    # run to run (the count would too); what only a collection frees then counts as live
+    gc.collect()
+    gc.disable()
     try:
         yield probe
     finally:
+        gc.enable()
         DirectionRunner.__call__ = original
 
 
-def host_grads(model) -> set[int]:
-    """The storages of the parameters' gradients (host memory, not device)."""
-    return {_key(p.grad) for p in model.parameters() if p.grad is not None}
+def host_grads(probe: LiveStorages, model) -> set[int]:
+    """The allocations of the parameters' gradients (host memory, not device)."""
+    return probe.allocations_of(p.grad for p in model.parameters() if p.grad is not None)

@@ -33,36 +33,38 @@ def test_plan_predicts_the_measured_peak(family):
     assert program.runners["forward"].plan.peak_weight_bytes == megacompile.stats(cmodel)["peak_device_weight_bytes"]
 
 
-def _planned_and_probed(family: str, overlap_grads: bool = True) -> tuple[int, int]:
-    """(planned peak, independently measured peak) of a compiled step's second run."""
+def _planned_and_probed(family: str) -> tuple[int, int]:
+    """(planned peak, independently measured peak) of a compiled step's second run. Gradients
+    go to the host synchronously (overlap_grads=False): with the host thread, when it lets go of
+    a device gradient depends on timing, and so would the measured peak."""
     model = tiny_model(family, layers=3)
-    cmodel = step(model, overlap_grads=overlap_grads)   # (compiles)
+    cmodel = step(model, overlap_grads=False)   # (compiles)
     program = programs_of(model)[0]
     model.zero_grad(set_to_none=True)
     ids, mask, labels = batch(2, 8, pad_left=1)
     with measure_step(program) as probe:
         cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
     planned = max(program.runners[d].plan.peak_bytes for d in ("forward", "backward"))
-    return planned, probe.peak(exclude=host_grads(model))
+    return planned, probe.peak(exclude=host_grads(probe, model))
 
 
 def _plan_holds(planned: int, probed: int) -> bool:
     # the plan is an upper bound (the budget check refuses on it): never below what the step's
-    # tensors hold; and not far above (measured 0.85 of it here: values counted at their planned
-    # lifetimes, the grads until their offload)
-    return probed <= planned <= 1.4 * probed
+    # tensors hold; and not far above (they peak at 0.91 of it on the tiny Llama, 0.95 on Qwen3:
+    # a body's intermediates are planned at their largest set, whatever its outputs)
+    return probed <= planned <= 1.25 * probed
 
 
-@pytest.mark.parametrize("family, overlap_grads", [("llama", True), ("qwen3", False)])
-def test_plan_bounds_the_independently_measured_peak(family, overlap_grads):
-    planned, probed = _planned_and_probed(family, overlap_grads)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_plan_bounds_the_independently_measured_peak(family):
+    planned, probed = _planned_and_probed(family)
     assert _plan_holds(planned, probed), (planned, probed)
 
 
-@pytest.mark.parametrize("factor", [0.5, 2.0])
+@pytest.mark.parametrize("factor", [0.25, 4.0])
 def test_a_wrong_plan_fails_the_independent_check(monkeypatch, factor):
-    """The measurement does not follow the plan: values sized wrongly (a dtype mix-up) make the
-    same comparison fail."""
+    """The measurement does not follow the plan: activations sized wrongly (a dtype mix-up; the
+    resident weights come from the schedule, unchanged) make the same comparison fail."""
     import megacompile.passes.memory_plan as memory_plan
     real = memory_plan._tensor_bytes
     monkeypatch.setattr(memory_plan, "_tensor_bytes", lambda v: int(real(v) * factor))
