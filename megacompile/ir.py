@@ -104,6 +104,35 @@ class Schedule:
         return peak
 
 
+# liveness --------------------------------------------------------------------------------
+@dataclass
+class Liveness:
+    """When each value of a direction graph dies, for the executor (which frees it then) and the
+    memory plan (which counts it until then): one analysis for both.
+
+        last_use["add_8"] == 3        # read last by segment call 3: freed after it runs
+        last_use["getitem_4"] == inf  # a graph output: lives to the end
+        "t_50" in offloaded           # a gradient: leaves at its grad_offload step
+    """
+    last_use: dict[str, float]
+    offloaded: set[str]
+
+
+def liveness(top: fx.GraphModule) -> Liveness:
+    schedule: Schedule = top.meta[SCHEDULE]
+    calls = [n for n in top.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]
+    offloaded = {name for seg in schedule.segments for _, name in seg.grads}
+    last_use: dict[str, float] = {}
+    for k, n in enumerate(calls):
+        for a in n.all_input_nodes:
+            last_use[a.name] = k
+    out = next(n for n in top.graph.nodes if n.op == "output")
+    for a in out.all_input_nodes:
+        if a.name not in offloaded:
+            last_use[a.name] = float("inf")
+    return Liveness(last_use, offloaded)
+
+
 # the memory plan -------------------------------------------------------------------------
 @dataclass
 class MemoryPlan:

@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
-from ..ir import BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, MemoryPlan, dim_hint
+from ..ir import BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness
 from ..runtime.expert_rows import fetch_expert_rows
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
@@ -110,15 +110,8 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         name = n.meta.get(BODY, n.target)
         if name not in transient:
             transient[name] = body_transient_bytes(gm.get_submodule(name), triton)
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    offloaded = {name for seg in schedule.segments for _, name in seg.grads}
-    last_use: dict[str, float] = {}
-    for k, n in enumerate(calls):
-        for a in n.all_input_nodes:
-            last_use[a.name] = k
-    for a in out.all_input_nodes:
-        if a.name not in offloaded:
-            last_use[a.name] = math.inf
+    lives = liveness(gm)   # (the executor frees by the same analysis)
+    last_use, offloaded = lives.last_use, lives.offloaded
     sizes = {n.name: value_bytes(n.meta.get("val")) for n in gm.graph.nodes}
     live = {n.name for n in gm.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
     resident = peak = peak_weights = 0

@@ -9,7 +9,6 @@ and keeps the byte accounting that `megacompile.stats` reports.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 
@@ -18,11 +17,9 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule
+from ..ir import BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, liveness
 from . import grad_offload
 from .weight_pool import DeviceWeightPool
-
-_ALWAYS = math.inf
 
 
 @dataclass
@@ -70,17 +67,10 @@ class DirectionRunner:
         self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
         out = next(n for n in top.graph.nodes if n.op == "output")
         self.output_spec = [a.name if isinstance(a, fx.Node) else a for a in out.args[0]]
-        # last segment reading each value; graph outputs live to the end
-        self.last_use: dict[str, float] = {}
-        for k, c in enumerate(self.calls):
-            for name, weight in c.inputs:
-                if weight is None:
-                    self.last_use[name] = k
-        # gradients delivered to param.grad leave the device at their grad_offload step
-        self.offloaded = {name for seg in self.schedule.segments for _, name in seg.grads}
-        for name in self.output_spec:
-            if isinstance(name, str) and name not in self.offloaded:
-                self.last_use[name] = _ALWAYS
+        # last segment reading each value (graph outputs live to the end); gradients delivered to
+        # param.grad leave the device at their grad_offload step: the memory plan's own analysis
+        lives = liveness(top)
+        self.last_use, self.offloaded = lives.last_use, lives.offloaded
         # the grad_offload step that completes each weight's gradient in this backward (the last,
         # should several segments send a contribution): from there an optimizer armed for the
         # backward may update it (runtime/adamw.py, overlap="backward")
