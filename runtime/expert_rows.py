@@ -25,16 +25,19 @@ class PendingRows:
     pool: object                # the DeviceWeightPool that owns the buffer (counts the bytes)
 
 
-#: device data pointer of a registered expert weight view -> where its rows come from
-_PENDING: dict[int, PendingRows] = {}
+#: the attribute of a registered expert weight view (the very tensor object the executor passes
+#: to the body) that says where its rows come from: the pool that owns the view owns this too,
+#: so no process-wide registry is kept
+_ATTR = "_megatrain_pending_rows"
 
 
 def expect(view: torch.Tensor, source: torch.Tensor, index: int, pool) -> None:
-    _PENDING[view.data_ptr()] = PendingRows(source, index, pool)
+    setattr(view, _ATTR, PendingRows(source, index, pool))
 
 
 def forget(view: torch.Tensor) -> None:
-    _PENDING.pop(view.data_ptr(), None)
+    if hasattr(view, _ATTR):
+        delattr(view, _ATTR)
 
 
 def active_experts(offs: torch.Tensor) -> list[int]:
@@ -44,7 +47,7 @@ def active_experts(offs: torch.Tensor) -> list[int]:
 
 
 def fetch_expert_rows(weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    pending = _PENDING.get(weight.data_ptr())
+    pending = getattr(weight, _ATTR, None)
     if pending is None:
         return weight
     active = active_experts(offs)
