@@ -55,7 +55,6 @@ DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_v
                     schedule, memory_plan]
 
 
-
 def check_pipelines(disabled: tuple[str, ...]) -> None:
     """The contracts of the three pipelines with `disabled` switched off, and what the runtime
     reads from a direction graph: a ContractError before any work, naming the reader, the key
@@ -230,8 +229,7 @@ class Program:
 
 def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_ignored):
     """TorchDynamo backend entry point (registered as "megatrain" via entry points)."""
-    opts = Options.from_mapping(options)
-    check_pipelines(opts.disable_passes)   # (Options checked it too; a direct caller may not have)
+    opts = Options.from_mapping(options)   # (disable_passes checked there: check_pipelines, before any work)
     output_hooks.register()  # again: torch._dynamo.reset() drops it
     capture, params = capture_inputs(gm, example_inputs)
     program = Program(capture, params, opts)

@@ -104,6 +104,12 @@ class Schedule:
         return peak
 
 
+def segment_calls(top: fx.GraphModule) -> list[fx.Node]:
+    """The segment calls of a direction graph, in graph order: segment k of the schedule is
+    call k (the executor, the memory plan and the schedule pass index them alike)."""
+    return [n for n in top.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]
+
+
 # liveness --------------------------------------------------------------------------------
 @dataclass
 class Liveness:
@@ -120,7 +126,7 @@ class Liveness:
 
 def liveness(top: fx.GraphModule) -> Liveness:
     schedule: Schedule = top.meta[SCHEDULE]
-    calls = [n for n in top.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]
+    calls = segment_calls(top)
     offloaded = {name for seg in schedule.segments for _, name in seg.grads}
     last_use: dict[str, float] = {}
     for k, n in enumerate(calls):
@@ -214,12 +220,13 @@ def schedule_program(top: fx.GraphModule) -> fx.GraphModule:
     """
     schedule: Schedule = top.meta[SCHEDULE]
     nodes = list(top.graph.nodes)
-    calls = [n for n in nodes if n.op == "call_module" and SEGMENT in n.meta]
+    calls = segment_calls(top)
+    index = {n: k for k, n in enumerate(calls)}
     after: dict[int, list[fx.Node]] = {}   # other nodes, emitted after the segment run before them
     current = -1
     for n in nodes:
-        if n.op == "call_module" and SEGMENT in n.meta:
-            current = calls.index(n)
+        if n in index:
+            current = index[n]
         elif n.op not in ("placeholder", "output"):
             after.setdefault(current, []).append(n)
     g, env = fx.Graph(), {}

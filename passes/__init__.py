@@ -163,7 +163,8 @@ def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassContext) 
             continue
         before = _op_counts(gm) if ctx.debug else None
         gm = p(gm, ctx.view(p.name, p.uses))
-        lost = [k for k in p.writes if k not in _keys_present(gm)]
+        present = _keys_present(gm) if p.writes else set()
+        lost = [k for k in p.writes if k not in present]
         if lost:
             raise ContractError(f"pass {p.name!r} promised {lost} but did not write them.")
         if ctx.debug:

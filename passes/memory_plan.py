@@ -18,7 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
-from ..ir import BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness
+from ..ir import BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness, segment_calls
 from ..runtime.expert_rows import fetch_expert_rows
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
@@ -102,7 +102,7 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
 @graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,), uses=("device", "hardware"))
 def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = gm.meta[SCHEDULE]
-    calls = [n for n in gm.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]
+    calls = segment_calls(gm)
     transient = {}
     # fused ops' workspaces as they run on a GPU (Triton), also when planning one from here
     triton = getattr(ctx.device, "type", None) == "cuda" or getattr(ctx.hardware, "name", "cpu") != "cpu"

@@ -19,23 +19,23 @@ from __future__ import annotations
 import torch.fx as fx
 
 from ..cost_model import logical_bytes
-from ..ir import BODY, FLAT_INDEX, ROUTED, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, SegmentInfo, Step  # noqa: F401
+from ..ir import (BODY, FLAT_INDEX, ROUTED, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, SegmentInfo,  # noqa: F401
+                  Step, segment_calls)
 from . import PassContext, graph_pass
 
 
 
 def _segment_infos(gm: fx.GraphModule, ctx: PassContext) -> list[SegmentInfo]:
     infos, where = [], {}
-    for n in gm.graph.nodes:
-        if n.op == "call_module" and SEGMENT in n.meta:
-            weights = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
-                              if a.op == "placeholder" and WEIGHT_GROUP in a.meta})
-            routed = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
-                             if a.op == "placeholder" and a.meta.get(ROUTED)})
-            infos.append(SegmentInfo(n.target, n.meta[SEGMENT]["group"], weights,
-                                     weight_nbytes=sum(ctx.weight_nbytes.get(i, 0) for i in weights),
-                                     body=n.meta.get(BODY, ""), routed=routed))
-            where[n] = len(infos) - 1
+    for n in segment_calls(gm):
+        weights = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
+                          if a.op == "placeholder" and WEIGHT_GROUP in a.meta})
+        routed = sorted({a.meta[FLAT_INDEX] for a in n.all_input_nodes
+                         if a.op == "placeholder" and a.meta.get(ROUTED)})
+        infos.append(SegmentInfo(n.target, n.meta[SEGMENT]["group"], weights,
+                                 weight_nbytes=sum(ctx.weight_nbytes.get(i, 0) for i in weights),
+                                 body=n.meta.get(BODY, ""), routed=routed))
+        where[n] = len(infos) - 1
     if ctx.direction == "backward":
         out = next(n for n in gm.graph.nodes if n.op == "output")
         for flat_index, value in enumerate(out.args[0]):

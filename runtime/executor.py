@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, liveness
+from ..ir import BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, liveness, segment_calls
 from . import grad_offload
 from .weight_pool import DeviceWeightPool
 
@@ -52,12 +52,11 @@ class DirectionRunner:
         weight_names = {name: idx for name, idx in self.placeholders if idx is not None}
         self.calls: list[Call] = []
         bodies: dict[str, fx.GraphModule] = {}
-        for n in top.graph.nodes:
-            if n.op == "call_module" and SEGMENT in n.meta:
-                body_name = n.meta.get(BODY, n.target)
-                body = bodies.setdefault(body_name, top.get_submodule(body_name))
-                inputs = [(a.name, weight_names.get(a.name)) for a in n.args]
-                self.calls.append(Call(body, inputs, list(n.meta[SEGMENT]["outputs"])))
+        for n in segment_calls(top):
+            body_name = n.meta.get(BODY, n.target)
+            body = bodies.setdefault(body_name, top.get_submodule(body_name))
+            inputs = [(a.name, weight_names.get(a.name)) for a in n.args]
+            self.calls.append(Call(body, inputs, list(n.meta[SEGMENT]["outputs"])))
         self.bodies = bodies
         # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
         plan = top.meta.get(MEMORY_PLAN)
@@ -71,12 +70,12 @@ class DirectionRunner:
         # param.grad leave the device at their grad_offload step: the memory plan's own analysis
         lives = liveness(top)
         self.last_use, self.offloaded = lives.last_use, lives.offloaded
-        # the grad_offload step that completes each weight's gradient in this backward (the last,
-        # should several segments send a contribution): from there an optimizer armed for the
-        # backward may update it (runtime/adamw.py, overlap="backward")
         # profiler range names: megatrain.<direction>.<op>.<segment> (e.g. megatrain.forward.run.seg_3)
         self.labels = [f"megatrain.{direction}.{step.op}.{self.schedule.segments[step.segment].name}"
                        for step in self.schedule.steps]
+        # the grad_offload step that completes each weight's gradient in this backward (the last,
+        # should several segments send a contribution): from there an optimizer armed for the
+        # backward may update it (runtime/adamw.py, overlap="backward")
         self.final_offload: dict[int, int] = {}
         for step in self.schedule.steps:
             if step.op == "grad_offload":

@@ -24,9 +24,7 @@ def _rows(examples) -> list[tuple]:
 
 
 def _streamed(cfg, tok) -> list[tuple]:
-    rows = stream.examples_stream(cfg, tok, data_template(cfg, tok))
-    pad = tok.pad_token_id if cfg.stage == "pt" else None
-    return _rows(stream._example(r, pad) for r in rows)
+    return _rows(stream._example(r) for r in stream.examples_stream(cfg, tok, data_template(cfg, tok)))
 
 
 @pytest.mark.parametrize("keys", [

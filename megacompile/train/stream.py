@@ -76,7 +76,7 @@ def _chunk_examples(batch: dict[str, list], config, tokenizer) -> dict[str, list
     table = datasets.Dataset.from_dict(batch, features=features())
     # one map batch: the whole chunk is packed (or cut into pt blocks) on its own
     examples, dropped = _examples_of(table, dataclasses.replace(config, preprocessing_num_workers=None), tokenizer)
-    rows = [examples[i] for i in range(len(examples))]
+    rows = [examples[i] for i in range(len(examples))]   # (pt: the pad token's labels already -100)
     return {"input_ids": [e.input_ids for e in rows], "labels": [e.labels for e in rows],
             "position_ids": [e.position_ids or [] for e in rows], "images": [e.images or [] for e in rows]}
 
@@ -103,11 +103,8 @@ def examples_stream(config, tokenizer, template, images=None):
                      fn_kwargs=dict(config=config, tokenizer=tokenizer))
 
 
-def _example(row: dict[str, Any], unlabelled: int | None) -> Example:
-    labels = row["labels"]
-    if unlabelled is not None:   # stage pt: the pad token is not trained on (as Examples reads it)
-        labels = [-100 if t == unlabelled else lab for t, lab in zip(row["input_ids"], labels)]
-    return Example(list(row["input_ids"]), list(labels), list(row["position_ids"]) or None,
+def _example(row: dict[str, Any]) -> Example:
+    return Example(list(row["input_ids"]), list(row["labels"]), list(row["position_ids"]) or None,
                    list(row["images"]) or None)
 
 
@@ -124,7 +121,8 @@ def fingerprint(config, tokenizer, template) -> str:
         attr = registry[name]
         if attr.load_from == "file":
             _, files = data_files(data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir))
-            sources[name] = [(f, Path(f).stat().st_size, Path(f).stat().st_mtime_ns) for f in files]
+            stats = [(f, Path(f).stat()) for f in files]
+            sources[name] = [(f, st.st_size, st.st_mtime_ns) for f, st in stats]
         else:
             sources[name] = [attr.load_from, attr.hub_id, attr.subset, attr.split, attr.folder]
         sources[name] = [sources[name], repr(attr)]
@@ -138,23 +136,22 @@ def fingerprint(config, tokenizer, template) -> str:
 class StreamOrder:
     """The micro-batches of a stream, epoch after epoch; its position is part of a checkpoint.
 
-        order = StreamOrder(train_stream, batch=4, seed=42, buffer_size=16384, pad_id=0)
+        order = StreamOrder(train_stream, batch=4, seed=42, shuffle=True, buffer_size=16384)
         order.next_examples(None)    # [Example x 4]
         order.state_dict()           # {"streaming": True, "epoch": 0, "consumed": 4, ...}
     """
 
-    def __init__(self, stream, batch: int, seed: int, shuffle: bool, buffer_size: int, unlabelled: int | None):
-        self.batch, self.seed, self.shuffle, self.unlabelled = batch, seed, shuffle, unlabelled
+    def __init__(self, stream, batch: int, seed: int, shuffle: bool, buffer_size: int):
+        self.batch, self.seed, self.shuffle = batch, seed, shuffle
         self._stream = stream.shuffle(seed=seed, buffer_size=buffer_size) if shuffle else stream
         self.epoch, self.consumed = 0, 0
         self._it = None
-        self.replayed = 0   # examples read past on resume (see the module docstring)
 
     def _open(self, skip: int):
         self._stream.set_epoch(self.epoch)   # (datasets' shuffle seeds its buffer with seed + epoch)
         it = iter(self._stream)
-        if skip:
-            self.replayed += sum(1 for _ in itertools.islice(it, skip))
+        for _ in itertools.islice(it, skip):   # a resumed position: read past what was trained on
+            pass
         return it
 
     def next_examples(self, _examples=None) -> list[Example]:
@@ -164,7 +161,7 @@ class StreamOrder:
             rows = list(itertools.islice(self._it, self.batch))
             if len(rows) == self.batch:
                 self.consumed += self.batch
-                return [_example(r, self.unlabelled) for r in rows]
+                return [_example(r) for r in rows]
             if self.consumed == 0:   # a whole epoch without one micro-batch
                 break
             self.epoch, self.consumed, self._it = self.epoch + 1, 0, None   # (the incomplete one is dropped)
@@ -201,12 +198,11 @@ def open_stream(config, tokenizer, template, images=None) -> StreamData:
     stream = examples_stream(config, tokenizer, template, images)
     held = int(config.val_size)
     head = list(itertools.islice(iter(stream), held + 1))
-    pad = tokenizer.pad_token_id if config.stage == "pt" else None
     if len(head) <= held:
         raise DataError(f"the data stream holds {len(head)} examples, val_size={held} holds them all out: lower "
                         "val_size or add data.")
-    held_out = Examples.from_list([_example(r, pad) for r in head[:held]]) if held else []
+    held_out = Examples.from_list([_example(r) for r in head[:held]]) if held else []
     train = stream.skip(held) if held else stream
     order = StreamOrder(train, config.per_device_train_batch_size, config.seed, not config.disable_shuffling,
-                        config.buffer_size, pad)
-    return StreamData(order, _example(head[held], pad), held_out, fingerprint(config, tokenizer, template))
+                        config.buffer_size)
+    return StreamData(order, _example(head[held]), held_out, fingerprint(config, tokenizer, template))
