@@ -29,7 +29,9 @@ Host RAM needed: about 18 bytes/parameter (3B: ~58 GB; the H200 machine has 128 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
+import signal
 import statistics
 import time
 import traceback
@@ -79,7 +81,7 @@ def run(step, args, device) -> dict[str, float]:
     for i in range(args.warmup + args.steps):
         parts = step()
         if i == 0:   # (the compile, Inductor's lowering and Triton's autotuning land here)
-            print(f"  first step {parts['step']:.1f} s", flush=True)
+            print("  first step " + ", ".join(f"{k} {v:.1f} s" for k, v in parts.items()), flush=True)
         if i >= args.warmup:
             for k, v in parts.items():
                 times.setdefault(k, []).append(v)
@@ -132,6 +134,7 @@ def megatrain_step(args, device, data, overlap, options: dict):
         sync(device)
         t0 = time.perf_counter()
         loss = cmodel(input_ids=data, labels=data, use_cache=False).loss
+        t_fwd = time.perf_counter()   # (host time to the loss: no sync, so as not to change the overlap)
         opt.arm()   # (overlap="backward" only)
         loss.backward()
         sync(device)
@@ -142,8 +145,28 @@ def megatrain_step(args, device, data, overlap, options: dict):
         if not overlap:
             opt.synchronize()
         t2 = time.perf_counter()
-        return {"step": t2 - t0, "fwd_bwd": t1 - t0, "optimizer": t2 - t1}
+        return {"step": t2 - t0, "fwd_bwd": t1 - t0, "optimizer": t2 - t1, "fwd_host": t_fwd - t0}
     return model, step
+
+
+def profile(step, name: str, folder: str) -> None:
+    """One more step under torch.profiler: its ops' table by host and by device time, and its
+    trace (chrome://tracing, Perfetto), into `folder`."""
+    from pathlib import Path
+    from torch.profiler import ProfilerActivity
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "".join(c if c.isalnum() else "_" for c in name.split(" (")[0])
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        parts = step()
+    averages = prof.key_averages()
+    with open(out / f"profile_{stem}.txt", "w") as f:
+        f.write(f"{name}: {parts}\n")
+        for key in ("cpu_time_total", "self_cpu_time_total", "device_time_total"):
+            f.write(f"\nsorted by {key}\n")
+            f.write(averages.table(sort_by=key, row_limit=45, max_name_column_width=70))
+    prof.export_chrome_trace(str(out / f"trace_{stem}.json.gz"))
 
 
 def main() -> None:
@@ -163,8 +186,12 @@ def main() -> None:
     ap.add_argument("--lowering", default="auto", choices=["auto", "eager", "inductor"],
                     help="how segment bodies run (auto: Inductor-compiled and timed per body on CUDA, which adds "
                          "compile time to the first step; eager: their aten ops)")
-    ap.add_argument("--only", default="", help="comma-separated config names to run (default: all)")
+    ap.add_argument("--profile", default="", metavar="DIR",
+                    help="profile one more step of each config: op tables and a trace into DIR")
+    ap.add_argument("--only", default="", help="comma-separated config names to run, in that order (default: all)")
     args = ap.parse_args()
+    # (`timeout -s USR1 ...` in benchmarks/gpu_session.sh: a run cut short shows where it was)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     device = torch.device(args.device)
     peak_tflops = load_hardware(args.hardware).compute_tflops if device.type == "cuda" else None
     data = torch.randint(0, SHAPES[args.model]["vocab_size"], (args.batch, args.seq), device=device)
@@ -177,8 +204,8 @@ def main() -> None:
                 ("megatrain +overlap fwd", lambda: megatrain_step(args, device, data, "forward", ENGINE)),
                 ("megatrain +overlap bwd", lambda: megatrain_step(args, device, data, "backward", ENGINE))]
     if args.only:
-        wanted = {n.strip() for n in args.only.split(",")}
-        configs = [(n, m) for n, m in configs if n in wanted or n.split(" (")[0] in wanted]
+        named = {n.split(" (")[0]: (n, m) for n, m in configs}   # (run in the order given)
+        configs = [named[w.strip()] for w in args.only.split(",") if w.strip() in named]
     print(f"{args.model}: batch {args.batch} x seq {args.seq} = {tokens} tokens, {args.dtype}, device {device}, "
           f"torch {torch.__version__}")
     print(f"{'config':<40} {'step s':>8} {'fwd+bwd':>8} {'opt s':>7} {'tok/s':>9} {'TFLOP/s':>8} {'MFU':>6}",
@@ -190,6 +217,8 @@ def main() -> None:
             print(f"  {name}: built in {time.perf_counter() - t:.1f} s", flush=True)
             params = sum(p.numel() for p in model.parameters())
             r = results[name] = run(step, args, device)
+            if args.profile:
+                profile(step, name, args.profile)
         except Exception:   # (one failing config must not hide the others' figures)
             traceback.print_exc()
             print(f"{name:<40} FAILED", flush=True)
