@@ -21,6 +21,7 @@ falls back to torch's fused AdamW plus a copy (a warning says so once).
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -56,6 +57,15 @@ def kernel():
 
 #: HostAdamW's `overlap` values (also accepted by `megatrain train`'s overlap_optimizer)
 OVERLAP_MODES = (False, True, "none", "forward", "backward")
+
+
+def squared_norm(t: torch.Tensor, threads: int = 0) -> float:
+    """sum(t ** 2) in double: the C++ kernel over a host fp32 gradient (all cores; torch's
+    vector_norm there runs on one), torch elsewhere. `threads` as in `HostAdamW._update`."""
+    ext = kernel() if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
+    if ext is not None:
+        return ext.sum_squares(t, threads)
+    return float(torch.linalg.vector_norm(t, 2.0, dtype=torch.float64)) ** 2
 
 
 def _hyper(group: dict) -> tuple:
@@ -142,7 +152,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._armed = False
         self._hyper: dict[nn.Parameter, tuple] = {}        # parameter -> its group's hyper-parameters
         self._spec: dict[nn.Parameter, tuple] = {}         # updated during this backward: (grad, version, hyper)
-        self._norms: dict[nn.Parameter, torch.Tensor] = {}  # their gradient norms, taken as they landed
+        self._norms: dict[nn.Parameter, float] = {}  # their gradients' squared norms, taken as they landed
         self._snap: dict[nn.Parameter, tuple] = {}         # rollback copies, kept between steps
         self._snap_bytes = 0
         self._futures: list[Future] = []
@@ -230,7 +240,7 @@ class HostAdamW(torch.optim.Optimizer):
                                         torch.empty_like(state["exp_avg_sq"]), torch.zeros(()))
             for dst, src in zip(snap, (weights, state["exp_avg"], state["exp_avg_sq"], state["step"])):
                 dst.copy_(src)
-            self._norms[p] = torch.linalg.vector_norm(grad, 2.0)
+            self._norms[p] = squared_norm(grad, self.host_threads)
             self._update(p, grad, hyper, 1.0, self.host_threads)
             self.counters["speculated"] += 1
         finally:
@@ -280,16 +290,14 @@ class HostAdamW(torch.optim.Optimizer):
         """Global L2 norm of the gradients (as torch.nn.utils.get_total_norm; the weights updated
         during the backward contribute the norm taken when their gradient landed)."""
         self._wait_speculation()
-        norms = []
+        total = 0.0   # (squares summed in double, in parameter order: the same sum in every mode)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
                 valid = self._read_this_grad(p, self._spec.get(p))
-                norms.append(self._norms[p] if valid else torch.linalg.vector_norm(p.grad, 2.0))
-        if not norms:
-            return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), 2.0))
+                total += self._norms[p] if valid else squared_norm(p.grad)
+        return math.sqrt(total)
 
     # --------------------------------------------------------------------------------
     def _init_state(self, p) -> None:
@@ -414,6 +422,14 @@ class HostAdamW(torch.optim.Optimizer):
             self.discard()
         if not set_to_none:   # zeroing in place would race with an overlapped step reading them
             self.synchronize()
+        else:   # the next backward writes into them if nothing else holds them then (store.py);
+            # only low-precision weights' (their fp32 gradients are always new tensors; an fp32
+            # weight's may be the device gradient itself on the CPU, where a spare would only idle)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    entry = _master_entry(p) if p.grad is not None else None
+                    if entry is not None:
+                        entry.spare_grad = p.grad
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):

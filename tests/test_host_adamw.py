@@ -4,6 +4,7 @@ torch's AdamW, and a megatrain-compiled bf16 model trained with it like with tor
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -147,6 +148,61 @@ def test_compiled_bf16_model_trains_like_with_torch_adamw():
         torch.testing.assert_close(master_weight(p), master_weight(q), rtol=1e-4, atol=1e-5)
 
 
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 200_000), scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e18]), seed=st.integers(0, 99))
+def test_squared_norm_equals_torch_and_ignores_the_thread_count(n, scale, seed):
+    """The gradient norm's kernel: sum of squares in double, as torch in float64, whatever the
+    threads (fixed chunks added in order); no overflow where fp32 squares would (1e18**2)."""
+    g = torch.randn(n, generator=torch.Generator().manual_seed(seed)) * scale
+    want = float(torch.linalg.vector_norm(g.double(), 2.0)) ** 2
+    got = adamw.squared_norm(g)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert {adamw.squared_norm(g, threads) for threads in (1, 2, 3)} == {got}
+
+
+def test_spare_gradients_are_reused_only_when_nobody_holds_them():
+    """HostAdamW.zero_grad hands a bf16 model's fp32 gradients back to the store and the next
+    backward writes into them (no new 4 bytes/parameter per step); a gradient the user still
+    holds, or a view of it, is never written: that weight gets a new one. The losses and
+    weights equal a run where every gradient is new."""
+    def train(keep: bool, reuse: bool):
+        torch._dynamo.reset()
+        model = tiny_model("llama", layers=2, dtype=torch.bfloat16)
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+        opt = HostAdamW(model.parameters(), lr=1e-3)
+        params = list(model.parameters())
+        held, same, losses = {}, [], []
+        for step in range(3):
+            ids, mask, labels = batch(seed=step)
+            loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.item())
+            if step == 1 and keep:   # the user keeps one gradient and a view of another
+                held = {0: params[0].grad, 1: params[1].grad.view(-1)}
+                saved = {k: v.clone() for k, v in held.items()}
+            if step == 2:
+                same = [p.grad is old() for p, old in zip(params, before)]
+            before = [weakref.ref(p.grad) for p in params]   # (an address may be reused by malloc: not a test)
+            opt.step()
+            if not reuse:
+                for p in params:
+                    p.grad = None
+            opt.zero_grad()
+        if keep:   # what the user held is unchanged by the next backward
+            assert all(torch.equal(held[k], saved[k]) for k in held)
+        return losses, [master_weight(p).clone() for p in params], same
+
+    fresh = train(keep=False, reuse=False)
+    reused = train(keep=False, reuse=True)
+    kept = train(keep=True, reuse=True)
+    assert fresh[2] and not any(fresh[2])   # nothing handed back: every gradient new
+    assert all(reused[2])                    # every gradient written into last step's
+    assert kept[2][0] is False and kept[2][1] is False and all(kept[2][2:])
+    for run in (reused, kept):
+        assert run[0] == fresh[0]
+        assert all(torch.equal(a, b) for a, b in zip(run[1], fresh[1]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
     """overlap=True: the update runs on a host thread while the next step's forward starts,
@@ -162,6 +218,9 @@ def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
             slow_calls.append(1)
             time.sleep(0.002)
             return real.adamw_step(*args)
+
+        def sum_squares(self, *args):
+            return real.sum_squares(*args)
 
     runs = {}
     for overlap in (False, True):
@@ -263,6 +322,9 @@ def test_updates_during_the_backward_equal_the_step_after_it(dtype, monkeypatch)
             threads.add(threading.current_thread().name)
             time.sleep(0.002)
             return real.adamw_step(*args)
+
+        def sum_squares(self, *args):
+            return real.sum_squares(*args)
 
     monkeypatch.setattr(adamw, "_KERNEL", [Slow()])
     got = _train_with_schedule(dtype, overlap="backward")

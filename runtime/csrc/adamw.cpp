@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -124,9 +125,46 @@ int64_t adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_av
   }
 }
 
+// The sum of the squares of a flat fp32 buffer (a gradient's squared L2 norm), in double: one
+// partial sum per fixed chunk, added in chunk order, so the result does not depend on the
+// thread count. (torch.linalg.vector_norm over a host gradient runs on one core: a 1.2B-parameter
+// model's norms measured 442 ms of a 1.8 s step on an H200 machine.)
+double sum_squares(torch::Tensor t, int64_t threads) {
+  const int64_t n = t.numel();
+  check(t, "t", n);
+  const float* x = t.data_ptr<float>();
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  auto body = [&](int64_t c) {
+    const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+    // eight independent double lanes (one add chain would run at the add's latency, not vectorized)
+    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8) {
+      for (int k = 0; k < 8; ++k) lanes[k] += static_cast<double>(x[i + k]) * static_cast<double>(x[i + k]);
+    }
+    for (; i < e; ++i) lanes[0] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+    partial[static_cast<size_t>(c)] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
+                                      ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  };
+  if (threads <= 0) {
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) body(c);
+    });
+  } else {
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) body(c);
+  }
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   // without the GIL: the overlapped step runs on a host thread while the training thread goes on
   module.def("adamw_step", &adamw_step, "AdamW over flat fp32 buffers, writing the low-precision copy; returns "
              "the number of blocks of new weights holding a NaN or inf (0: all finite)",
+             pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("sum_squares", &sum_squares, "sum of squares of a contiguous CPU float32 tensor, in double",
              pybind11::call_guard<pybind11::gil_scoped_release>());
 }
