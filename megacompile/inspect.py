@@ -35,7 +35,6 @@ from .backend import Program, megatrain_backend, programs_of
 from . import meta_attention
 from .cost_model import body_cost, optimizer_seconds
 from .hardware import Hardware
-from .ir import schedule_program
 from .passes.memory_plan import value_bytes
 from .passes.schedule import segment_costs
 from .presets import load_config
@@ -226,7 +225,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         directions[direction] = DirectionReport(
             segs, steps, runner.schedule.peak_resident_weight_bytes(), saved,
             program.pass_records.get(direction, []), runner.schedule.lookahead,
-            {name: body.code for name, body in runner.bodies.items()}, schedule_program(runner.graph).code)
+            {name: body.code for name, body in runner.bodies.items()}, runner.schedule.program.code)
     # (with the optimizer overlapped, t already holds its updates; what is left runs after)
     forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream != "host"), default=t)
     opt_end = t + optimizer_seconds(after, hardware)

@@ -9,9 +9,15 @@ direction of every import). It holds:
   before any work that what a pass reads was written by an earlier one:
 
       SEGMENT    node   call_module node -> {"group", "rank", "outputs"}
-      SCHEDULE   graph  gm.meta["mt_schedule"] = Schedule(direction, slots, segments, steps)
+      SCHEDULE   graph  gm.meta["mt_schedule"] = Schedule(direction, slots, segments, program)
 
-- the schedule (`Schedule`, `SegmentInfo`, `Step`) and the memory plan (`MemoryPlan`) as data;
+- the schedule as a program (`schedule_program`): the direction graph with its transfers as
+  `torch.ops.megatrain.prefetch / wait / evict / grad_offload` nodes (custom ops defined here)
+  around the body calls, and what walks it: `op_of` (a node's op, the key of a table of per-op
+  handlers), `walk`, and one `liveness` analysis. The executor runs it, the memory plan counts
+  its bytes, the simulator times its steps, `inspect --show graphs` prints it; a pass that adds
+  a capability (activation offload, collectives, SSD swaps) adds ops to it and their handlers;
+- the schedule's data (`Schedule`, `SegmentInfo`, `Step`) and the memory plan (`MemoryPlan`);
 - `RUNTIME_READS`: what the runtime's executor reads from a compiled direction graph, so the
   pipeline can refuse up front a configuration whose output the runtime cannot run;
 - the two helpers both sides apply to traced values: `dim_hint` (a symbolic size's hint) and
@@ -19,6 +25,7 @@ direction of every import). It holds:
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -87,11 +94,17 @@ class SegmentInfo:
 
 @dataclass
 class Schedule:
+    """A direction's schedule: its segments and the program that runs them (`program`, built by
+    `schedule_program`); `steps` are the program's schedule ops in order, as data."""
     direction: str
     slots: int
     segments: list[SegmentInfo]
-    steps: list[Step]
+    program: fx.GraphModule
     lookahead: int = 1             # weight-reading segments prefetched ahead of the running one
+
+    @property
+    def steps(self) -> list[Step]:
+        return program_steps(self.program)
 
     def peak_resident_weight_bytes(self) -> int:
         resident, peak = 0, 0
@@ -106,37 +119,180 @@ class Schedule:
 
 def segment_calls(top: fx.GraphModule) -> list[fx.Node]:
     """The segment calls of a direction graph, in graph order: segment k of the schedule is
-    call k (the executor, the memory plan and the schedule pass index them alike)."""
+    call k (the schedule pass and the program index them alike)."""
     return [n for n in top.graph.nodes if n.op == "call_module" and SEGMENT in n.meta]
+
+
+# the schedule as a program ---------------------------------------------------------------
+# The transfer ops of a schedule program: torch custom ops (as torch's own activation offloading
+# marks offload/reload/wait), side-effecting so that no dead-code elimination drops them. Their
+# implementations are the runtime's handlers (runtime/executor.py); called directly they refuse.
+def _handled_by_runtime(*_args) -> None:
+    raise RuntimeError("megatrain schedule ops are run by the runtime's executor (runtime/executor.py), "
+                       "which binds them to a program's weight pool and gradient worker")
+
+
+@torch.library.custom_op("megatrain::prefetch", mutates_args=())
+def prefetch(segment: int, weights: list[torch.Tensor]) -> None:
+    """Copy the segment's weights host -> device (the h2d stream); its body may run after wait."""
+    _handled_by_runtime()
+
+
+@torch.library.custom_op("megatrain::wait", mutates_args=())
+def wait(segment: int) -> None:
+    """The compute stream waits for the segment's prefetch."""
+    _handled_by_runtime()
+
+
+@torch.library.custom_op("megatrain::evict", mutates_args=())
+def evict(segment: int) -> None:
+    """Free the segment's device weights (its slot takes the next prefetch)."""
+    _handled_by_runtime()
+
+
+@torch.library.custom_op("megatrain::grad_offload", mutates_args=())
+def grad_offload(segment: int, grads: list[torch.Tensor]) -> None:
+    """Send the gradients the segment finalised to the host (the d2h stream) into param.grad."""
+    _handled_by_runtime()
+
+
+for _op in (prefetch, wait, evict, grad_offload):
+    _op.register_fake(lambda *args: None)
+    fx.node.has_side_effect(_op._opoverload)
+
+#: schedule op name -> its torch op (program nodes call these)
+SCHEDULE_OPS = {"prefetch": torch.ops.megatrain.prefetch.default, "wait": torch.ops.megatrain.wait.default,
+                "evict": torch.ops.megatrain.evict.default, "grad_offload": torch.ops.megatrain.grad_offload.default}
+STEP = _key("mt_step", "node", "schedule program node -> its Step (schedule ops and segment runs)")
+
+
+def op_of(node: fx.Node) -> str:
+    """What a program node is, for a table of per-op handlers: a schedule op ("prefetch",
+    "wait", "evict", "grad_offload"), "run" (a segment's body), "output_of" (an element of a
+    body's result, bound when the body ran), "value" (any other op), "placeholder" or "output"."""
+    step = node.meta.get(STEP)
+    if step is not None:
+        return step.op
+    if node.op in ("placeholder", "output"):
+        return node.op
+    if node.op == "call_function" and node.target is operator.getitem and STEP in node.args[0].meta:
+        return "output_of"
+    return "value"
+
+
+def program_steps(program: fx.GraphModule) -> list[Step]:
+    """The schedule ops and runs of a program, in order."""
+    return [n.meta[STEP] for n in program.graph.nodes if STEP in n.meta]
+
+
+def walk(program: fx.GraphModule, handlers: dict) -> None:
+    """Call `handlers[op_of(node)](position, node)` for every node of `program`, in order. An op
+    without a handler is refused before the first node (a pass added an op this walker does
+    not know: the executor, the memory plan and the simulator each declare theirs)."""
+    nodes = list(program.graph.nodes)
+    missing = {op_of(n) for n in nodes} - set(handlers)
+    if missing:
+        raise KeyError(f"no handler for schedule op(s) {sorted(missing)} (handlers for {sorted(handlers)})")
+    for i, n in enumerate(nodes):
+        handlers[op_of(n)](i, n)
+
+
+def schedule_program(top: fx.GraphModule, segments: list[SegmentInfo], steps: list[Step]) -> fx.GraphModule:
+    """A direction graph with its schedule `steps` written out as one FX program: the weight
+    and gradient transfers as explicit nodes around the calls of the (deduplicated) bodies, in
+    the order they run. The executor, the memory plan and the simulator walk this program; it
+    is what `megatrain inspect --show graphs` prints:
+
+        prefetch = torch.ops.megatrain.prefetch.default(0, [primals_1]); ...
+        wait = torch.ops.megatrain.wait.default(0); seg0 = self.body_0(primals_1, primals_9)
+        getitem = seg0[0]; evict = torch.ops.megatrain.evict.default(0); ...
+        grad_offload = torch.ops.megatrain.grad_offload.default(3, [getitem_12, getitem_13])
+
+    Each schedule node carries its Step (`node.meta[STEP]`); a run node also the segment's
+    SEGMENT and BODY tags.
+    """
+    nodes = list(top.graph.nodes)
+    calls = segment_calls(top)
+    index = {n: k for k, n in enumerate(calls)}
+    after: dict[int, list[fx.Node]] = {}   # other nodes, emitted after the segment run before them
+    current = -1
+    for n in nodes:
+        if n in index:
+            current = index[n]
+        elif n.op not in ("placeholder", "output"):
+            after.setdefault(current, []).append(n)
+    g, env = fx.Graph(), {}
+
+    def arg(a):
+        return fx.map_arg(a, lambda x: env[x.name])
+
+    def copy_after(k: int) -> None:
+        for n in after.get(k, []):
+            env[n.name] = g.node_copy(n, lambda x: env[x.name])
+    for n in nodes:
+        if n.op == "placeholder":
+            env[n.name] = g.node_copy(n)
+    copy_after(-1)
+    out = next(n for n in nodes if n.op == "output")
+    for step in steps:
+        k, call = step.segment, calls[step.segment]
+        if step.op == "prefetch":
+            weights = [env[a.name] for a in call.all_input_nodes if WEIGHT_GROUP in a.meta]
+            node = g.call_function(SCHEDULE_OPS["prefetch"], (k, weights))
+        elif step.op in ("wait", "evict"):
+            node = g.call_function(SCHEDULE_OPS[step.op], (k,))
+        elif step.op == "run":
+            body = call.meta.get(BODY, call.target)
+            node = env[call.name] = g.call_module(body, arg(call.args), arg(call.kwargs))
+            node.name = call.name
+            node.meta.update({key: call.meta[key] for key in (SEGMENT, BODY) if key in call.meta})
+            node.meta["val"] = call.meta.get("val")
+            copy_after(k)
+        elif step.op == "grad_offload":
+            node = g.call_function(SCHEDULE_OPS["grad_offload"], (k, [env[name] for _, name in segments[k].grads]))
+        else:
+            raise ValueError(f"unknown schedule op {step.op!r}")
+        node.meta[STEP] = step
+    g.output(arg(out.args[0]))
+    return fx.GraphModule(top, g)
 
 
 # liveness --------------------------------------------------------------------------------
 @dataclass
 class Liveness:
-    """When each value of a direction graph dies, for the executor (which frees it then) and the
-    memory plan (which counts it until then): one analysis for both.
+    """When each value of a schedule program dies, for the executor (which frees it then) and
+    the memory plan (which counts it until then): one analysis for both.
 
-        last_use["add_8"] == 3        # read last by segment call 3: freed after it runs
-        last_use["getitem_4"] == inf  # a graph output: lives to the end
-        "t_50" in offloaded           # a gradient: leaves at its grad_offload step
+        frees[12] == ["add_8", "getitem_3"]   # dead once program node 12 has run
+        "t_50" in offloaded                   # a gradient: leaves at its grad_offload node, and
+                                              # the program's output gives None in its place
+    A value nobody reads dies where it is made (an element of a body's result: at the run);
+    the output keeps what it returns alive to the end.
     """
-    last_use: dict[str, float]
+    frees: dict[int, list[str]]
     offloaded: set[str]
 
 
-def liveness(top: fx.GraphModule) -> Liveness:
-    schedule: Schedule = top.meta[SCHEDULE]
-    calls = segment_calls(top)
-    offloaded = {name for seg in schedule.segments for _, name in seg.grads}
-    last_use: dict[str, float] = {}
-    for k, n in enumerate(calls):
+def liveness(program: fx.GraphModule) -> Liveness:
+    nodes = list(program.graph.nodes)
+    offloaded = {a.name for n in nodes if op_of(n) == "grad_offload" for a in n.all_input_nodes}
+    position = {n: i for i, n in enumerate(nodes)}
+    last: dict[str, float] = {}
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            for a in n.all_input_nodes:
+                if a.name not in offloaded:
+                    last[a.name] = float("inf")
+            continue
         for a in n.all_input_nodes:
-            last_use[a.name] = k
-    out = next(n for n in top.graph.nodes if n.op == "output")
-    for a in out.all_input_nodes:
-        if a.name not in offloaded:
-            last_use[a.name] = float("inf")
-    return Liveness(last_use, offloaded)
+            last[a.name] = max(last.get(a.name, -1), i)
+        if n.op != "placeholder":   # (made here; an element of a body's result where the body ran)
+            last.setdefault(n.name, position[n.args[0]] if op_of(n) == "output_of" else i)
+    frees: dict[int, list[str]] = {}
+    for name, i in last.items():
+        if i != float("inf"):
+            frees.setdefault(int(i), []).append(name)
+    return Liveness(frees, offloaded)
 
 
 # the memory plan -------------------------------------------------------------------------
@@ -181,80 +337,3 @@ def materialize(a):
     if isinstance(a, (list, tuple)):
         return type(a)(materialize(x) for x in a)
     return a
-
-
-# the schedule as a program -------------------------------------------------------------
-# The transfer ops of a schedule program. They mark where the runtime moves data; the executor
-# (runtime/executor.py) runs a direction's schedule steps, so these are never called.
-def prefetch(segment: int, *weights):
-    """Copy the segment's weights host -> device (the h2d stream); its body may run after wait."""
-    raise NotImplementedError("schedule ops are run by runtime/executor.py")
-
-
-def wait(segment: int):
-    """The compute stream waits for the segment's prefetch."""
-    raise NotImplementedError("schedule ops are run by runtime/executor.py")
-
-
-def evict(segment: int):
-    """Free the segment's device weights (its slot takes the next prefetch)."""
-    raise NotImplementedError("schedule ops are run by runtime/executor.py")
-
-
-def grad_offload(segment: int, *grads):
-    """Send the gradients the segment finalised to the host (the d2h stream) into param.grad."""
-    raise NotImplementedError("schedule ops are run by runtime/executor.py")
-
-
-SCHEDULE_OPS = {"prefetch": prefetch, "wait": wait, "evict": evict, "grad_offload": grad_offload}
-
-
-def schedule_program(top: fx.GraphModule) -> fx.GraphModule:
-    """A direction graph with its schedule written out as one FX program: the weight and
-    gradient transfers as explicit nodes around the calls of the (deduplicated) bodies, in the
-    order the executor runs them (what `megatrain inspect --show graphs` prints):
-
-        prefetch = prefetch(0, primals_1); prefetch_1 = prefetch(1, primals_2, primals_3)
-        wait = wait(0); seg_0 = self.body_0(primals_1, primals_9); getitem = seg_0[0]
-        evict = evict(0); ...; grad_offload = grad_offload(3, getitem_12, getitem_13)
-    """
-    schedule: Schedule = top.meta[SCHEDULE]
-    nodes = list(top.graph.nodes)
-    calls = segment_calls(top)
-    index = {n: k for k, n in enumerate(calls)}
-    after: dict[int, list[fx.Node]] = {}   # other nodes, emitted after the segment run before them
-    current = -1
-    for n in nodes:
-        if n in index:
-            current = index[n]
-        elif n.op not in ("placeholder", "output"):
-            after.setdefault(current, []).append(n)
-    g, env = fx.Graph(), {}
-
-    def arg(a):
-        return fx.map_arg(a, lambda x: env[x.name])
-
-    def copy_after(k: int) -> None:
-        for n in after.get(k, []):
-            env[n.name] = g.node_copy(n, lambda x: env[x.name])
-    for n in nodes:
-        if n.op == "placeholder":
-            env[n.name] = g.node_copy(n)
-    copy_after(-1)
-    for step in schedule.steps:
-        k, call = step.segment, calls[step.segment]
-        if step.op == "prefetch":
-            weights = [env[a.name] for a in call.all_input_nodes if WEIGHT_GROUP in a.meta]
-            g.call_function(prefetch, (k, *weights))
-        elif step.op in ("wait", "evict"):
-            g.call_function(SCHEDULE_OPS[step.op], (k,))
-        elif step.op == "run":
-            body = call.meta.get(BODY, call.target)
-            env[call.name] = g.call_module(body, arg(call.args), arg(call.kwargs))
-            env[call.name].name = call.name
-            copy_after(k)
-        elif step.op == "grad_offload":
-            g.call_function(grad_offload, (k, *[env[name] for _, name in schedule.segments[k].grads]))
-    out = next(n for n in nodes if n.op == "output")
-    g.output(arg(out.args[0]))
-    return fx.GraphModule(top, g)

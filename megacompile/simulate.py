@@ -67,36 +67,50 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         out.append(TimedStep("optimizer", "host", k, costs[k].name, nbytes, start, end))
         return end
 
+    def prefetch(k: int, nbytes: int) -> tuple[float, float]:
+        ready = t0
+        if before_prefetch:
+            ready = update(k, nbytes, max(clock["host"], t0 if hw.overlap else clock["compute"]))
+        start = max(clock["h2d"], clock["compute"], ready)
+        end = start + nbytes / (hw.h2d_gbps * 1e9)
+        clock["h2d"] = arrived[k] = end
+        if not hw.overlap:
+            clock["compute"] = end
+        return start, end
+
+    def wait(k: int, nbytes: int) -> tuple[float, float]:
+        start = clock["compute"]
+        end = clock["compute"] = max(start, arrived[k])
+        return start, end
+
+    def run(k: int, nbytes: int) -> tuple[float, float]:
+        start = clock["compute"]
+        end = clock["compute"] = ran[k] = start + costs[k].seconds
+        return start, end
+
+    def grad_offload(k: int, nbytes: int) -> tuple[float, float]:
+        start = max(clock["d2h"], ran[k])
+        end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
+        if not hw.overlap:
+            clock["compute"] = end
+        if after_offload:
+            update_after.append((k, nbytes, end))
+        return start, end
+
+    def evict(k: int, nbytes: int) -> tuple[float, float]:   # instantaneous, on the compute stream
+        return clock["compute"], clock["compute"]
+
+    # one handler per schedule op (the executor and the memory plan have theirs)
+    handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": grad_offload, "evict": evict}
+    update_after: list[tuple[int, int, float]] = []
     for step in steps:
         k, cost = step.segment, costs[step.segment]
-        nbytes = step.nbytes
-        if step.op == "prefetch":
-            ready = t0
-            if before_prefetch:
-                ready = update(k, nbytes, max(clock["host"], t0 if hw.overlap else clock["compute"]))
-            start = max(clock["h2d"], clock["compute"], ready)
-            end = start + nbytes / (hw.h2d_gbps * 1e9)
-            clock["h2d"] = arrived[k] = end
-            if not hw.overlap:
-                clock["compute"] = end
-        elif step.op == "wait":
-            start = clock["compute"]
-            end = clock["compute"] = max(start, arrived[k])
-        elif step.op == "run":
-            start = clock["compute"]
-            end = clock["compute"] = start + cost.seconds
-            ran[k] = end
-        elif step.op == "grad_offload":
-            nbytes = nbytes or cost.grad_bytes
-            start = max(clock["d2h"], ran[k])
-            end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
-            if not hw.overlap:
-                clock["compute"] = end
-        else:  # evict: instantaneous, on the compute stream
-            start = end = clock["compute"]
+        nbytes = step.nbytes or (cost.grad_bytes if step.op == "grad_offload" else 0)
+        start, end = handlers[step.op](k, nbytes)
         out.append(TimedStep(step.op, step.stream, k, cost.name, nbytes, start, end))
-        if step.op == "grad_offload" and after_offload:
-            update(k, nbytes, max(clock["host"], end))
+        for args in update_after:   # (the optimizer's update after its gradients left: listed after them)
+            update(args[0], args[1], max(clock["host"], args[2]))
+        update_after.clear()
     return out
 
 

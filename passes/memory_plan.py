@@ -18,7 +18,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
-from ..ir import BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness, segment_calls
+from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness,
+                  segment_calls, walk)
 from ..runtime.expert_rows import fetch_expert_rows
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
@@ -99,53 +100,71 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
         + ". Or lower the batch size or sequence length, or set recompute_head=True.")
 
 
+class _Account:
+    """Device bytes while walking a schedule program: one handler per program op."""
+
+    def __init__(self, program: fx.GraphModule, transient: dict[str, int]):
+        self.transient = transient
+        self.sizes = {n.name: value_bytes(n.meta.get("val")) for n in program.graph.nodes}
+        self.live = {n.name for n in program.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
+        self.resident = self.peak_weights = 0
+        self.per_step: list[int] = []
+
+    def bytes(self) -> int:
+        return sum(self.sizes[v] for v in self.live) + self.resident
+
+    def prefetch(self, n: fx.Node) -> None:
+        self.resident += n.meta[STEP].nbytes
+        self.peak_weights = max(self.peak_weights, self.resident)
+        self.per_step.append(self.bytes())
+
+    def evict(self, n: fx.Node) -> None:
+        self.resident -= n.meta[STEP].nbytes
+        self.per_step.append(self.bytes())
+
+    def run(self, n: fx.Node) -> None:
+        before = self.bytes()
+        self.live.update(n.meta[SEGMENT]["outputs"])   # (its getitems: bound as it returns)
+        self.per_step.append(max(before + self.transient[n.meta.get(BODY, n.target)], self.bytes()))
+
+    def step(self, n: fx.Node) -> None:   # wait, grad_offload: what is live once it is done
+        self.per_step.append(self.bytes())
+
+    def value(self, n: fx.Node) -> None:
+        self.live.add(n.name)
+
+    def nothing(self, n: fx.Node) -> None:
+        pass
+
+
 @graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,), uses=("device", "hardware"))
 def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     schedule = gm.meta[SCHEDULE]
-    calls = segment_calls(gm)
     transient = {}
     # fused ops' workspaces as they run on a GPU (Triton), also when planning one from here
     triton = getattr(ctx.device, "type", None) == "cuda" or getattr(ctx.hardware, "name", "cpu") != "cpu"
-    for n in calls:
+    for n in segment_calls(gm):
         name = n.meta.get(BODY, n.target)
         if name not in transient:
             transient[name] = body_transient_bytes(gm.get_submodule(name), triton)
-    lives = liveness(gm)   # (the executor frees by the same analysis)
-    last_use, offloaded = lives.last_use, lives.offloaded
-    sizes = {n.name: value_bytes(n.meta.get("val")) for n in gm.graph.nodes}
-    live = {n.name for n in gm.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
-    resident = peak = peak_weights = 0
-    per_step, peak_step = [], 0
+    program = schedule.program
+    account = _Account(program, transient)
+    frees = liveness(program).frees   # (the executor frees by the same analysis)
+    handlers = {"prefetch": account.prefetch, "evict": account.evict, "run": account.run, "wait": account.step,
+                "grad_offload": account.step, "value": account.value, "output_of": account.nothing,
+                "placeholder": account.nothing, "output": account.nothing}
 
-    def live_bytes() -> int:
-        return sum(sizes[v] for v in live) + resident
-
-    for i, step in enumerate(schedule.steps):
-        k = step.segment
-        if step.op == "prefetch":
-            resident += step.nbytes
-            peak_weights = max(peak_weights, resident)
-            now = live_bytes()
-        elif step.op == "evict":
-            resident -= step.nbytes
-            now = live_bytes()
-        elif step.op == "run":
-            n = calls[k]
-            before = live_bytes()
-            live.update(n.meta[SEGMENT]["outputs"])
-            now = max(before + transient[n.meta.get(BODY, n.target)], live_bytes())
-            live.difference_update([a.name for a in n.all_input_nodes if last_use.get(a.name) == k])
-            live.difference_update([o for o in n.meta[SEGMENT]["outputs"]
-                                    if o not in last_use and o not in offloaded])
-        elif step.op == "grad_offload":
-            live.difference_update([name for _, name in schedule.segments[k].grads
-                                    if last_use.get(name, -1) <= k])
-            now = live_bytes()
-        else:
-            now = live_bytes()
-        per_step.append(now)
-        if now > peak:
-            peak, peak_step = now, i
-    gm.meta[MEMORY_PLAN] = MemoryPlan(peak, peak_step, peak_weights, transient, per_step,
+    def counted(handler):
+        def count(i: int, n: fx.Node) -> None:
+            handler(n)
+            account.live.difference_update(frees.get(i, ()))
+            if STEP in n.meta and n.meta[STEP].op == "grad_offload":   # (counted once its gradients left)
+                account.per_step[-1] = account.bytes()
+        return count
+    walk(program, {op: counted(h) for op, h in handlers.items()})
+    per_step = account.per_step
+    peak_step = max(range(len(per_step)), key=lambda i: (per_step[i], -i)) if per_step else 0
+    gm.meta[MEMORY_PLAN] = MemoryPlan(per_step[peak_step] if per_step else 0, peak_step, account.peak_weights,
+                                      transient, per_step,
                                       max((seg.weight_nbytes for seg in schedule.segments), default=0))
     return gm

@@ -1,7 +1,10 @@
 """Build the transfer schedule of a split graph: when each segment's weights are fetched,
 waited on, evicted, and when its gradients leave the device.
 
-The schedule is data (`gm.meta["mt_schedule"]`): the runtime executes it and tools print it.
+The schedule is a program (`gm.meta["mt_schedule"].program`, megacompile/ir.py): the direction
+graph with the transfers written out as `torch.ops.megatrain.prefetch / wait / evict /
+grad_offload` nodes around the body calls; the runtime runs it, the memory plan and the
+simulator walk it, tools print it.
 With `slots` weight slots, up to `slots` weight-reading segments are resident: the running one
 and up to `slots - 1` prefetched ahead of it. A prefetch is issued right after an evict frees a
 slot, so residency never exceeds the budget. How far ahead to prefetch (the lookahead) comes
@@ -20,7 +23,7 @@ import torch.fx as fx
 
 from ..cost_model import logical_bytes
 from ..ir import (BODY, FLAT_INDEX, ROUTED, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, SegmentInfo,  # noqa: F401
-                  Step, segment_calls)
+                  Step, schedule_program, segment_calls)
 from . import PassContext, graph_pass
 
 
@@ -107,5 +110,6 @@ def schedule(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     lookahead = ctx.slots - 1
     if ctx.hardware is not None and ctx.slots > 1:
         lookahead = choose_lookahead(segments, segment_costs(gm, segments, ctx.hardware), ctx.hardware, ctx.slots)
-    gm.meta[SCHEDULE] = Schedule(ctx.direction, ctx.slots, segments, build_steps(segments, lookahead), lookahead)
+    program = schedule_program(gm, segments, build_steps(segments, lookahead))
+    gm.meta[SCHEDULE] = Schedule(ctx.direction, ctx.slots, segments, program, lookahead)
     return gm

@@ -1,11 +1,19 @@
-"""Schedule executor: runs one direction (forward or backward) of a split program.
+"""Schedule executor: runs one direction's schedule program (forward or backward).
 
-The top-level graph from `passes/split_segments.py` says which values flow between segments;
-the schedule from `passes/schedule.py` says when weights move. The executor binds weight inputs
-to device views from the pool (never to the host parameters), frees every value right after its
-last use, sends gradients to the host as soon as a segment finalises them (runtime/
-grad_offload.py: overlapping the next segment; all in `param.grad` when the backward returns),
-and keeps the byte accounting that `megacompile.stats` reports.
+The program (`megacompile/ir.py` `schedule_program`, built by `passes/schedule.py`) is the split
+graph with its transfers written out as ops around the body calls:
+
+    prefetch(1, [w...]) -> wait(1) -> seg1 = body_a(x, w...) -> getitem -> evict(1) -> prefetch(3, ...)
+    ... -> seg7 = body_b(...) -> grad_offload(7, [g...]) -> evict(7) ...
+
+Running it is walking its nodes in order through one table of per-op handlers (`HANDLERS`
+below): a prefetch/wait/evict is the weight pool's, a grad_offload the gradient offloader's
+(runtime/grad_offload.py: overlapping the next segment; all in `param.grad` when the backward
+returns), a run calls the lowered body with its weight inputs bound to device views from the
+pool (never the host parameters). Every value is freed right after its last reader (one
+liveness analysis, `ir.liveness`, the memory plan's too), and the byte accounting that
+`megacompile.stats` reports is kept here. An op a later pass adds needs a handler here, in the
+memory plan and in the simulator: the program is refused up front otherwise.
 """
 from __future__ import annotations
 
@@ -17,7 +25,8 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, WEIGHT_GROUP, Schedule, liveness, segment_calls
+from ..ir import (BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, Schedule, liveness, op_of,
+                  segment_calls)
 from . import grad_offload
 from .weight_pool import DeviceWeightPool
 
@@ -31,6 +40,17 @@ class Call:
 
 def _nbytes(v) -> int:
     return v.untyped_storage().nbytes() if isinstance(v, torch.Tensor) else 0
+
+
+class _Run:
+    """One call's state: the values by name, the host weights, and the accounting."""
+
+    def __init__(self, program, env: dict, host_args: dict, entries, rows):
+        self.program, self.env, self.host_args, self.entries, self.rows = program, env, host_args, entries, rows
+        self.pool: DeviceWeightPool = program.pool
+        self.debug = program.options.debug_residency
+        self.peak = 0
+        self.grads_bytes = 0
 
 
 class DirectionRunner:
@@ -64,15 +84,26 @@ class DirectionRunner:
         self.transient = {name: plan.transient.get(name, 0) if plan else 0 for name in bodies}
         self.body_of = [next(k for k, b in bodies.items() if b is c.body) for c in self.calls]
         self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
-        out = next(n for n in top.graph.nodes if n.op == "output")
+        # the program's nodes as (profiler range, handler, node, values dead after it): one table
+        # of handlers; the values die by the memory plan's own analysis (ir.liveness)
+        nodes = list(self.schedule.program.graph.nodes)
+        missing = {op_of(n) for n in nodes} - set(HANDLERS)
+        if missing:
+            raise NotImplementedError(f"the {direction} program has op(s) {sorted(missing)} the executor has no "
+                                      "handler for (runtime/executor.py HANDLERS)")
+        lives = liveness(self.schedule.program)
+        self.offloaded = lives.offloaded
+        self.ops = []
+        for i, n in enumerate(nodes):
+            op = op_of(n)
+            if op in ("placeholder", "output"):
+                continue
+            step = n.meta.get(STEP)
+            # profiler range names: megatrain.<direction>.<op>.<segment> (e.g. megatrain.forward.run.seg3)
+            label = f"megatrain.{direction}.{op}.{self.schedule.segments[step.segment].name}" if step else None
+            self.ops.append((label, HANDLERS[op], n, lives.frees.get(i, ())))
+        out = nodes[-1]
         self.output_spec = [a.name if isinstance(a, fx.Node) else a for a in out.args[0]]
-        # last segment reading each value (graph outputs live to the end); gradients delivered to
-        # param.grad leave the device at their grad_offload step: the memory plan's own analysis
-        lives = liveness(top)
-        self.last_use, self.offloaded = lives.last_use, lives.offloaded
-        # profiler range names: megatrain.<direction>.<op>.<segment> (e.g. megatrain.forward.run.seg_3)
-        self.labels = [f"megatrain.{direction}.{step.op}.{self.schedule.segments[step.segment].name}"
-                       for step in self.schedule.steps]
         # the grad_offload step that completes each weight's gradient in this backward (the last,
         # should several segments send a contribution): from there an optimizer armed for the
         # backward may update it (runtime/adamw.py, overlap="backward")
@@ -87,7 +118,6 @@ class DirectionRunner:
         grad_offload.check_guards()   # e.g. weights holding an armed optimizer's speculative updates
         program = self.program
         stats = program.begin(self.direction)
-        pool: DeviceWeightPool = program.pool
         entries = program.entries
         env: dict[str, object] = {}
         host_args: dict[str, object] = {}
@@ -111,54 +141,17 @@ class DirectionRunner:
             self.runs, program.lowering_records[self.direction] = lower(
                 self.bodies, program.options.lowering, self.device)
         args.clear()  # boxed call: saved activations die at their last use, not at the end
-        debug = program.options.debug_residency
-        live_bytes = self._live(env) + pool.counters.resident_bytes
-        peak = live_bytes
-        grads_bytes = 0
+        run = _Run(program, env, host_args, entries, rows)
+        run.peak = self._live(env) + run.pool.counters.resident_bytes
         t0 = time.perf_counter()
-        for label, step in zip(self.labels, self.schedule.steps):
-            with record_function(label):   # a profiler trace shows each schedule op per segment
-                k = step.segment
-                seg = self.schedule.segments[k]
-                if step.op == "prefetch":
-                    pool.fetch(k, {i: entries[i] for i in seg.weights}, seg.routed, rows)
-                elif step.op == "wait":
-                    pool.wait(k)
-                elif step.op == "evict":
-                    pool.evict(k)
-                elif step.op == "run":
-                    call = self.calls[k]
-                    views = pool.views(k) if seg.weights else {}
-                    inputs = []
-                    for name, weight in call.inputs:
-                        if weight is None:
-                            inputs.append(env[name])
-                        else:
-                            if debug:
-                                pool.check_resident(k, weight, views.get(weight), entries[weight].name)
-                            inputs.append(views[weight])
-                    if debug:
-                        _check_inputs_have_storage(inputs, call, k)
-                    before = self._live(env) + pool.counters.resident_bytes
-                    outs = self.runs[self.body_of[k]](*inputs)
-                    for name, value in zip(call.outputs, outs):
-                        env[name] = value
-                    after = self._live(env) + pool.counters.resident_bytes
-                    peak = max(peak, before + self.transient[self.body_of[k]], after)
-                    for name, _ in call.inputs:
-                        if self.last_use.get(name) == k:
-                            env.pop(name, None)
-                    for name in call.outputs:
-                        if name not in self.last_use and name not in self.offloaded:
-                            env.pop(name, None)
-                elif step.op == "grad_offload":
-                    items = []
-                    for index, name in seg.grads:
-                        grad = env.pop(name) if self.last_use.get(name, -1) <= k else env[name]
-                        rows_fetched = pool.routed_rows.get(index) if index in seg.routed else None
-                        items.append((entries[index], grad, rows_fetched,
-                                      self.final_offload[index] == k))
-                    grads_bytes += program.grads.offload(items)
+        for label, handler, node, dead in self.ops:
+            if label is None:
+                handler(self, run, node)
+            else:
+                with record_function(label):   # a profiler trace shows each schedule op per segment
+                    handler(self, run, node)
+            for name in dead:
+                env.pop(name, None)
         if self.direction == "backward":
             with record_function("megatrain.backward.grad_drain"):
                 program.grads.drain()   # backward() returns with every gradient in param.grad
@@ -172,8 +165,56 @@ class DirectionRunner:
                 result.append(None)
             else:
                 result.append(env[spec])
-        program.end(self.direction, stats, peak=peak, d2h=grads_bytes, seconds=time.perf_counter() - t0)
+        program.end(self.direction, stats, peak=run.peak, d2h=run.grads_bytes, seconds=time.perf_counter() - t0)
         return tuple(result)
+
+    # the handlers: one per program op --------------------------------------------------
+    def _prefetch(self, run: _Run, node: fx.Node) -> None:
+        k = node.meta[STEP].segment
+        seg = self.schedule.segments[k]
+        run.pool.fetch(k, {i: run.entries[i] for i in seg.weights}, seg.routed, run.rows)
+
+    def _wait(self, run: _Run, node: fx.Node) -> None:
+        run.pool.wait(node.meta[STEP].segment)
+
+    def _evict(self, run: _Run, node: fx.Node) -> None:
+        run.pool.evict(node.meta[STEP].segment)
+
+    def _run(self, run: _Run, node: fx.Node) -> None:
+        k = node.meta[STEP].segment
+        call, env, pool = self.calls[k], run.env, run.pool
+        views = pool.views(k) if self.schedule.segments[k].weights else {}
+        inputs = []
+        for name, weight in call.inputs:
+            if weight is None:
+                inputs.append(env[name])
+            else:
+                if run.debug:
+                    pool.check_resident(k, weight, views.get(weight), run.entries[weight].name)
+                inputs.append(views[weight])
+        if run.debug:
+            _check_inputs_have_storage(inputs, call, k)
+        before = self._live(env) + pool.counters.resident_bytes
+        outs = self.runs[self.body_of[k]](*inputs)
+        for name, value in zip(call.outputs, outs):   # (the program's getitems of this call: bound here)
+            env[name] = value
+        after = self._live(env) + pool.counters.resident_bytes
+        run.peak = max(run.peak, before + self.transient[self.body_of[k]], after)
+
+    def _grad_offload(self, run: _Run, node: fx.Node) -> None:
+        k = node.meta[STEP].segment
+        seg = self.schedule.segments[k]
+        items = []
+        for index, name in seg.grads:
+            rows_fetched = run.pool.routed_rows.get(index) if index in seg.routed else None
+            items.append((run.entries[index], run.env[name], rows_fetched, self.final_offload[index] == k))
+        run.grads_bytes += self.program.grads.offload(items)
+
+    def _value(self, run: _Run, node: fx.Node) -> None:
+        """Any other op between segments, computed as the graph says."""
+        def value(a):
+            return run.env[a.name] if a.name in run.env else run.host_args[a.name]
+        run.env[node.name] = node.target(*fx.map_arg(node.args, value), **fx.map_arg(node.kwargs, value))
 
     @staticmethod
     def _live(env: dict) -> int:
@@ -185,6 +226,21 @@ class DirectionRunner:
                     seen.add(key)
                     total += _nbytes(v)
         return total
+
+
+def _bound_by_its_run(runner, run, node) -> None:
+    """An element of a body's result: the run handler bound it by name."""
+
+
+def _nothing(runner, run, node) -> None:
+    pass
+
+
+#: program op -> its handler (called as handler(runner, run, node))
+HANDLERS = {"prefetch": DirectionRunner._prefetch, "wait": DirectionRunner._wait,
+            "evict": DirectionRunner._evict, "run": DirectionRunner._run,
+            "grad_offload": DirectionRunner._grad_offload, "output_of": _bound_by_its_run,
+            "value": DirectionRunner._value, "placeholder": _nothing, "output": _nothing}
 
 
 def _check_inputs_have_storage(inputs, call: Call, k: int) -> None:

@@ -171,7 +171,7 @@ def test_spare_gradients_are_reused_only_when_nobody_holds_them():
         cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
         opt = HostAdamW(model.parameters(), lr=1e-3)
         params = list(model.parameters())
-        held, same, losses = {}, [], []
+        held, saved, same, losses, before = {}, {}, [], [], []
         for step in range(3):
             ids, mask, labels = batch(seed=step)
             loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
@@ -182,7 +182,7 @@ def test_spare_gradients_are_reused_only_when_nobody_holds_them():
                 saved = {k: v.clone() for k, v in held.items()}
             if step == 2:
                 same = [p.grad is old() for p, old in zip(params, before)]
-            before = [weakref.ref(p.grad) for p in params]   # (an address may be reused by malloc: not a test)
+            before[:] = [weakref.ref(p.grad) for p in params]   # (an address may be reused by malloc: not a test)
             opt.step()
             if not reuse:
                 for p in params:

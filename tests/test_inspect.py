@@ -102,32 +102,54 @@ def test_chrome_trace_and_text_views(config_json, tmp_path, capsys):
     assert "aten." in text  # --show graphs prints the lowered bodies
     # ... after the schedule program, whose transfer ops follow the schedule
     program = text.split("-- schedule program")[1].split("-- body")[0]
-    assert all(f"megacompile_ir_{op}(" in program for op in ("prefetch", "wait", "evict"))
+    assert all(f"torch.ops.megatrain.{op}.default(" in program for op in ("prefetch", "wait", "evict"))
 
 
 def test_the_schedule_program_writes_out_the_executed_steps():
-    """ir.schedule_program: one FX node per transfer step, in the executor's step order, the
-    bodies called where the schedule runs them; each direction's program is the graph it runs."""
+    """The schedule program (ir.schedule_program, built by the schedule pass): one node per
+    transfer step, in step order, the bodies called where the schedule runs them; the executor
+    runs exactly its nodes, and calling it without the runtime is refused."""
+    import pytest
     import torch
 
     from conftest import batch, tiny_model
     from megacompile.backend import programs_of
-    from megacompile.ir import SCHEDULE_OPS, schedule_program
+    from megacompile.ir import SCHEDULE_OPS
     model = tiny_model("llama", layers=3)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
     ids, mask, labels = batch(2, 8)
     cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
     ops = {f: name for name, f in SCHEDULE_OPS.items()}
     for direction, runner in programs_of(model)[0].runners.items():
-        gm = schedule_program(runner.graph)
+        gm = runner.schedule.program
         written = [(ops[n.target], n.args[0]) if n.op == "call_function" and n.target in ops else ("run", n.name)
                    for n in gm.graph.nodes if n.op == "call_module" or n.target in ops]
         calls = [n.name for n in runner.graph.graph.nodes if n.op == "call_module"]
         steps = [(s.op, s.segment if s.op != "run" else calls[s.segment]) for s in runner.schedule.steps]
         assert written == steps and any(op == "grad_offload" for op, _ in steps) == (direction == "backward")
+        # the executor's table runs the program's nodes, placeholders and output aside
+        assert [n for _, _, n, _ in runner.ops] == [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
         # the bodies it calls are the deduplicated ones: 3 identical layers, one body
         layer_bodies = {n.target for n in gm.graph.nodes if n.op == "call_module"}
         assert len(layer_bodies) < len(calls)
+    with pytest.raises(RuntimeError, match="run by the runtime"):
+        torch.ops.megatrain.wait(0)
+
+
+def test_an_op_without_a_handler_is_refused_before_the_first_node():
+    """A pass that adds an op to the program that a walker has no handler for: refused by name
+    before anything runs (ir.walk, and the executor's table)."""
+    import pytest
+    import torch.fx as fx
+
+    from megacompile.ir import walk
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output(g.call_function(abs, (x,)))
+    seen = []
+    with pytest.raises(KeyError, match="value"):
+        walk(fx.GraphModule({}, g), {"placeholder": lambda i, n: seen.append(n), "output": lambda i, n: None})
+    assert not seen
 
 
 def test_preset_builds_on_the_meta_device(capsys):
