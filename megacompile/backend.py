@@ -79,10 +79,10 @@ class Program:
         device = options.torch_device
         names = {inp.index: inp.name for inp in capture.inputs}
         # (pinned later, when the schedule is known: host arenas per layer kind, runtime/host_arena.py)
-        self.entries = store.register(params, names, pin=False)
+        self.grads = GradOffloader(device, overlap=options.overlap_grads)
+        self.entries = self._subscribe(store.register(params, names, pin=False))
         self.arena_rows: dict | None = None   # flat index -> host arena row, built at the first forward
         self.pool = DeviceWeightPool(device, options.slots)
-        self.grads = GradOffloader(device, overlap=options.overlap_grads)
         self.hardware = options.hardware_profile()
         self.runners: dict[str, DirectionRunner] = {}
         self.pass_records: dict[str, list] = {}
@@ -94,9 +94,15 @@ class Program:
     def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
         """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
         names = {i: self.entries[i].name for i in params}
-        self.entries.update(store.register(params, names, pin=False))
+        self.entries.update(self._subscribe(store.register(params, names, pin=False)))
         self.arena_rows = None   # the arenas follow the parameters too
         return self.entries
+
+    def _subscribe(self, entries: dict) -> dict:
+        """These weights' gradients go through this program's offloader (an optimizer finds it there)."""
+        for entry in entries.values():
+            entry.offloaders.add(self.grads)
+        return entries
 
     def ensure_arenas(self) -> dict:
         """Host arena rows for the segments' weights (built once, at the first forward run).

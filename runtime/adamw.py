@@ -32,7 +32,6 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from . import grad_offload
 from .store import LOW_PRECISION, _master_entry, entry_of
 
 _KERNEL: list = []   # [module or None], loaded once
@@ -150,6 +149,7 @@ class HostAdamW(torch.optim.Optimizer):
         # overlap="backward": speculative updates (see the class docstring)
         self.rollback_bytes = rollback_bytes
         self._armed = False
+        self._offloaders: set = set()   # listened to while armed
         self._hyper: dict[nn.Parameter, tuple] = {}        # parameter -> its group's hyper-parameters
         self._spec: dict[nn.Parameter, tuple] = {}         # updated during this backward: (grad, version, hyper)
         self._norms: dict[nn.Parameter, float] = {}  # their gradients' squared norms, taken as they landed
@@ -190,7 +190,11 @@ class HostAdamW(torch.optim.Optimizer):
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
         self._armed = True
-        grad_offload.listen(self._on_gradient, self._guard)
+        # the gradient paths of the programs that read these weights (runtime/grad_offload.py)
+        self._offloaders = {o for g in self.param_groups for p in g["params"] if (e := entry_of(p)) is not None
+                            for o in e.offloaders}
+        for offloader in self._offloaders:
+            offloader.listen(self._on_gradient, self._guard)
 
     @property
     def armed(self) -> bool:
@@ -267,7 +271,9 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _disarm(self) -> dict:
         """Stop speculating; returns {parameter: (gradient read, its version, hyper)} updated."""
-        grad_offload.unlisten(self._on_gradient, self._guard)
+        for offloader in self._offloaders:
+            offloader.unlisten(self._on_gradient, self._guard)
+        self._offloaders = set()
         self._armed = False
         self._wait_speculation()
         spec, self._spec = self._spec, {}

@@ -27,7 +27,6 @@ from torch.profiler import record_function
 from ..errors import ResidencyError
 from ..ir import (BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, Schedule, liveness, op_of,
                   segment_calls)
-from . import grad_offload
 from .weight_pool import DeviceWeightPool
 
 
@@ -115,8 +114,8 @@ class DirectionRunner:
 
     # ------------------------------------------------------------------------------
     def __call__(self, args: list):
-        grad_offload.check_guards()   # e.g. weights holding an armed optimizer's speculative updates
         program = self.program
+        program.grads.check_guards()   # e.g. weights holding an armed optimizer's speculative updates
         stats = program.begin(self.direction)
         entries = program.entries
         env: dict[str, object] = {}

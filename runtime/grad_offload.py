@@ -32,46 +32,12 @@ from __future__ import annotations
 
 import collections
 import os
-import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from .host_arena import GradSlabs
-
-_WORKER: ThreadPoolExecutor | None = None
-_WORKER_LOCK = threading.Lock()
-_LISTENERS: list = []   # fn(entry): that weight's gradient for this backward is complete
-_GUARDS: list = []      # guard() -> None, or why no forward or backward may run now
-
-
-def listen(fn, guard=None) -> None:
-    """Call `fn(entry)` each time a weight's gradient for the running backward is complete;
-    `guard()`, checked before every megatrain forward and backward, may forbid them."""
-    if fn not in _LISTENERS:
-        _LISTENERS.append(fn)
-        if guard is not None:
-            _GUARDS.append(guard)
-
-
-def unlisten(fn, guard=None) -> None:
-    if fn in _LISTENERS:
-        _LISTENERS.remove(fn)
-    if guard in _GUARDS:
-        _GUARDS.remove(guard)
-
-
-def check_guards() -> None:
-    for guard in list(_GUARDS):
-        reason = guard()
-        if reason:
-            raise RuntimeError(reason)
-
-
-def _completed(entry) -> None:
-    for fn in list(_LISTENERS):
-        fn(entry)
-
 
 def _landing_threads() -> int:
     """Threads for a landing's torch ops (fp32 conversion and add). torch's OpenMP team size is
@@ -82,30 +48,60 @@ def _landing_threads() -> int:
     return max(1, ((os.cpu_count() or 2) - 2) // 2)
 
 
-def _worker() -> ThreadPoolExecutor:
-    """One host thread for every program: landings are first in, first out across programs too."""
-    global _WORKER
-    with _WORKER_LOCK:
-        if _WORKER is None:
-            _WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-grads",
-                                         initializer=torch.set_num_threads, initargs=(_landing_threads(),))
-        return _WORKER
-
-
-#: stage gradients through slabs on the CPU too (there they are an extra copy: for tests)
-SLABS_ON_CPU = False
-
-
 class GradOffloader:
-    def __init__(self, device: torch.device, overlap: bool = True, max_pending: int = 2):
+    """A program's gradient path to the host: its D2H stream, pinned slabs, one host worker
+    thread (first in, first out: a tied weight's contributions add in segment order; every
+    backward drains it before returning, so programs never interleave), and the listeners an
+    optimizer registers for this program's gradients (`listen`)."""
+
+    def __init__(self, device: torch.device, overlap: bool = True, max_pending: int = 2,
+                 slabs: bool | None = None):
+        """`slabs`: stage through pinned slab rings (None: on CUDA; True on the CPU is an extra
+        copy there, for tests of the CUDA path's reuse)."""
         self.device = device
         self.overlap = overlap
         self.max_pending = max(1, max_pending)
         self.stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
         self.pending: collections.deque[Future] = collections.deque()
         # pinned staging per layer kind (runtime/host_arena.py): one more slab than landings in flight
-        self.slabs = (GradSlabs(self.max_pending + 1, pin=True) if self.stream is not None
-                      else GradSlabs(self.max_pending + 1, pin=False) if overlap and SLABS_ON_CPU else None)
+        use_slabs = overlap and (slabs if slabs is not None else self.stream is not None)
+        self.slabs = GradSlabs(self.max_pending + 1, pin=self.stream is not None) if use_slabs else None
+        self.listeners: list = []   # fn(entry): that weight's gradient for this backward is complete
+        self.guards: list = []      # guard() -> None, or why no forward or backward may run now
+        self._worker: ThreadPoolExecutor | None = None
+        weakref.finalize(self, _shutdown, self.__dict__)
+
+    # listeners -------------------------------------------------------------------
+    def listen(self, fn, guard=None) -> None:
+        """Call `fn(entry)` each time a weight's gradient for the running backward is complete
+        (on the worker); `guard()`, checked before every forward and backward of this program,
+        may forbid them."""
+        if fn not in self.listeners:
+            self.listeners.append(fn)
+            if guard is not None:
+                self.guards.append(guard)
+
+    def unlisten(self, fn, guard=None) -> None:
+        if fn in self.listeners:
+            self.listeners.remove(fn)
+        if guard in self.guards:
+            self.guards.remove(guard)
+
+    def check_guards(self) -> None:
+        for guard in list(self.guards):
+            reason = guard()
+            if reason:
+                raise RuntimeError(reason)
+
+    def _completed(self, entry) -> None:
+        for fn in list(self.listeners):
+            fn(entry)
+
+    def worker(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-grads",
+                                              initializer=torch.set_num_threads, initargs=(_landing_threads(),))
+        return self._worker
 
     def offload(self, items: list[tuple["WeightEntry", torch.Tensor, list[int] | None, bool]]) -> int:  # noqa: F821
         """Send one segment's gradients (entry, device gradient, routed rows or None, whether
@@ -115,7 +111,7 @@ class GradOffloader:
             for entry, grad, rows, final in items:
                 moved += entry.accumulate_grad(grad, rows)
                 if final:
-                    _completed(entry)
+                    self._completed(entry)
             return moved
         event = None
         # whole gradients go through a slab of their kind; routed rows (a different count every
@@ -147,7 +143,7 @@ class GradOffloader:
             staged = [stage(item) for item in items]
         while len(self.pending) >= self.max_pending:
             self.pending.popleft().result()
-        future = _worker().submit(_land, event, [s[:5] for s in staged])
+        future = self.worker().submit(_land, event, [s[:5] for s in staged], self._completed)
         self.pending.append(future)
         if slab is not None:
             slab.busy = future
@@ -159,10 +155,17 @@ class GradOffloader:
             self.pending.popleft().result()
 
 
-def _land(event, staged) -> None:
+def _land(event, staged, completed) -> None:
     if event is not None:
         event.synchronize()   # the copies into the pinned host tensors are complete
     for entry, host, rows, final, borrowed in staged:
         entry.add_host_grad(host, rows, borrowed)
         if final:
-            _completed(entry)
+            completed(entry)
+
+
+def _shutdown(state: dict) -> None:
+    """(the offloader was collected) its worker thread exits once idle"""
+    worker = state.get("_worker")
+    if worker is not None:
+        worker.shutdown(wait=False)

@@ -39,6 +39,9 @@ class WeightEntry:
     # into it when nothing else holds it (a fresh 4 bytes/parameter each step cost the page faults
     # of first touch in the backward and the unmapping in zero_grad: 30-50 ms per 3B-model layer)
     spare_grad: torch.Tensor | None = None
+    # the gradient paths (runtime/grad_offload.py) of the programs that read this weight: an
+    # optimizer updating it as its gradient lands listens to these, not to the process
+    offloaders: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
 
     def wait_ready(self) -> None:
         """Block until a pending overlapped optimizer update of this weight is written."""

@@ -95,10 +95,6 @@ def _fresh_dynamo():
     megacompile.output_hooks.register()  # reset() drops Dynamo's compile-start callbacks
     yield
     torch._dynamo.reset()
-    # an optimizer a failed test left armed would refuse every later forward in this worker
-    from megacompile.runtime import grad_offload
-    grad_offload._LISTENERS.clear()
-    grad_offload._GUARDS.clear()
 
 
 @pytest.fixture

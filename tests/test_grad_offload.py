@@ -7,6 +7,7 @@ would be missing or partial when `backward()` returns: the comparison then fails
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 
@@ -24,10 +25,10 @@ def slow_worker(monkeypatch):
     threads = []
     land = grad_offload._land
 
-    def slow(event, staged):
+    def slow(event, staged, completed):
         time.sleep(0.02)
         threads.append(threading.current_thread() is threading.main_thread())
-        land(event, staged)
+        land(event, staged, completed)
 
     monkeypatch.setattr(grad_offload, "_land", slow)
     return threads
@@ -54,7 +55,8 @@ def _train(model, overlap: bool, steps: int = 2, accumulation: int = 2):
 def test_overlapped_offload_is_bit_identical(family, dtype, slabs, slow_worker, monkeypatch):
     """slabs: the gradients staged through the per-kind pinned slab rings as on CUDA (here an
     extra copy): with the slowed worker, a slab is handed out again only after its landing."""
-    monkeypatch.setattr(grad_offload, "SLABS_ON_CPU", slabs)
+    staged = functools.partial(grad_offload.GradOffloader, slabs=slabs)   # (on the CPU: an extra copy)
+    monkeypatch.setattr(megacompile.backend, "GradOffloader", staged)
     model = tiny_model(family, dtype=dtype, layers=4)
     ref = copy.deepcopy(model)
     got = _train(model, overlap=True)
@@ -83,7 +85,7 @@ def test_worker_error_surfaces_in_backward(monkeypatch):
     cmodel = torch.compile(model, backend="megatrain")
     ids, mask, labels = batch(2, 8)
 
-    def broken(event, staged):
+    def broken(event, staged, completed):
         raise RuntimeError("host gradient buffer lost")
 
     monkeypatch.setattr(grad_offload, "_land", broken)

@@ -392,6 +392,28 @@ def test_a_forward_between_the_armed_backward_and_the_step_is_refused():
     cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # allowed again
 
 
+def test_an_armed_optimizer_listens_to_its_own_programs_only():
+    """The optimizer subscribes to the gradient paths of the programs that read its weights
+    (runtime/grad_offload.py, one per program), not to the process: another model trains while
+    it holds speculative updates, and a forgotten armed optimizer blocks only its own model."""
+    ours, other = tiny_model("llama", layers=2), tiny_model("qwen3", layers=2)
+    c_ours = torch.compile(ours, backend="megatrain", options={"device": "cpu"})
+    c_other = torch.compile(other, backend="megatrain", options={"device": "cpu"})
+    opt = HostAdamW(ours.parameters(), lr=1e-2, overlap="backward")
+    ids, mask, labels = batch()
+    loss = c_ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    opt.arm()
+    loss.backward()
+    c_other(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # not ours
+    with pytest.raises(RuntimeError, match="arm\\(\\) right before"):
+        c_ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    assert opt.counters["speculated"] > 0
+    subscribed = set(opt._offloaders)
+    assert subscribed and all(o.listeners for o in subscribed)
+    opt.step()
+    assert not any(o.listeners for o in subscribed)   # unsubscribed at the step
+
+
 def test_overlap_mode_is_checked():
     with pytest.raises(ValueError, match="overlap="):
         HostAdamW([torch.nn.Parameter(torch.zeros(2))], overlap="sometimes")
