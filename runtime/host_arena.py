@@ -28,7 +28,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .weight_pool import layout
 
@@ -44,10 +43,6 @@ class ArenaRow:
     def intact(self, sources: dict[int, torch.Tensor]) -> bool:
         """Whether each weight's current transfer copy is still the row's slice."""
         return all(i in sources and sources[i].data_ptr() == p for i, p in self.ptrs.items())
-
-
-#: parameter -> its row (by identity: tensors compare elementwise, so no plain WeakKeyDictionary)
-_ROW_OF = WeakIdKeyDictionary()
 
 
 def _unregister(ptr: int) -> None:
@@ -128,7 +123,7 @@ def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
         own = [i for i in own if sources[i].is_contiguous() and sources[i].device.type == "cpu"]
         if not own:
             continue
-        existing = {_ROW_OF.get(entries[i].param) for i in own}
+        existing = {entries[i].arena_row for i in own}
         row = next(iter(existing)) if len(existing) == 1 else None
         if row is not None and set(row.order) == set(own) and row.intact(sources):
             rows.update(dict.fromkeys(own, row))
@@ -152,7 +147,7 @@ def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
                 ptrs[i], offs[i] = t.data_ptr(), off
             row = ArenaRow(arena[base: base + row_bytes], tuple(own), offs, ptrs, row_bytes)
             for i in own:
-                _ROW_OF[entries[i].param] = row
+                entries[i].arena_row = row
                 rows[i] = row
     if pin:
         for i, entry in entries.items():

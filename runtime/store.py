@@ -42,6 +42,13 @@ class WeightEntry:
     # the gradient paths (runtime/grad_offload.py) of the programs that read this weight: an
     # optimizer updating it as its gradient lands listens to these, not to the process
     offloaders: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
+    arena_row: object = None   # the host arena row holding its transfer copy (runtime/host_arena.py)
+
+    def __deepcopy__(self, memo) -> None:   # a copied parameter is a new weight: no entry yet
+        return None
+
+    def __reduce__(self):   # pickled with its parameter (torch.save(model)): as no entry
+        return (type(None), ())
 
     def wait_ready(self) -> None:
         """Block until a pending overlapped optimizer update of this weight is written."""
@@ -148,9 +155,11 @@ class WeightEntry:
         self.synced_version = p._version
 
 
-_ENTRIES: dict[int, WeightEntry] = {}
-_HOOKS_INSTALLED = False
-_ORDER = itertools.count()
+_HOOKS_INSTALLED = False   # (torch's optimizer hook registry is process-wide: ours go in once)
+_ORDER = itertools.count()   # registration order numbers (an id source, like itertools' own)
+#: the attribute of a parameter that holds its entry: the entry lives and dies with its weight
+#: (no registry keyed by id(), which Python reuses); copies and pickles of the parameter carry none
+_ENTRY = "_megatrain_entry"
 
 
 def _set_event() -> threading.Event:
@@ -161,14 +170,13 @@ def _set_event() -> threading.Event:
 
 def entry_of(p: nn.Parameter) -> WeightEntry | None:
     """The store entry of `p`, if the parameter is registered."""
-    entry = _ENTRIES.get(id(p))
-    return entry if entry is not None and entry.param_ref() is p else None
+    return getattr(p, _ENTRY, None)
 
 
 def _master_entry(p: nn.Parameter) -> WeightEntry | None:
     """The entry of `p` if it has an fp32 master (a registered low-precision parameter)."""
-    entry = _ENTRIES.get(id(p))
-    return entry if entry is not None and entry.param_ref() is p and entry.master is not None else None
+    entry = getattr(p, _ENTRY, None)
+    return entry if entry is not None and entry.master is not None else None
 
 
 def _live_entries(optimizer: torch.optim.Optimizer):
@@ -204,19 +212,12 @@ def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool) 
 
 
 def _entry_for(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
-    """The entry of `p`, created on first use (and dropped with the parameter)."""
-    entry = _ENTRIES.get(id(p))
-    if entry is None or entry.param_ref() is not p:
+    """The entry of `p`, created on first use (it goes with the parameter)."""
+    entry = getattr(p, _ENTRY, None)
+    if entry is None:
         entry = _new_entry(p, name, pin)
-        _ENTRIES[id(p)] = entry
-        weakref.finalize(p, _drop, id(p), entry)
+        setattr(p, _ENTRY, entry)
     return entry
-
-
-def _drop(key: int, entry: WeightEntry) -> None:
-    """A parameter died: drop its entry, unless a newer parameter at the same id() owns the key."""
-    if _ENTRIES.get(key) is entry:
-        del _ENTRIES[key]
 
 
 def _new_entry(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:

@@ -246,19 +246,29 @@ def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
         assert torch.equal(w, runs[True][1][k]), k
 
 
-def test_a_dead_parameter_never_drops_the_entry_of_a_newer_one_at_its_id():
-    """Python reuses id()s: the finalizer of a collected parameter must not remove the store
-    entry a newer parameter registered under the same id (found with the overlapped optimizer:
-    a second model's weights lost their entries when the first model was collected)."""
+def test_a_store_entry_lives_on_its_parameter():
+    """The entry of a weight lives on the parameter (no registry keyed by id(), which Python
+    reuses: a collected model once took a newer model's entries with it); a copy or a pickle
+    of the parameter carries none."""
+    import copy
+    import gc
+    import io
+    import weakref
+
     from megacompile.runtime import store
-    old = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    stale = store._entry_for(old, "old", False)
-    new = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    store._ENTRIES[id(old)] = fresh = store._new_entry(new, "new", False)   # as if `new` had old's id
-    store._drop(id(old), stale)
-    assert store._ENTRIES.get(id(old)) is fresh
-    store._drop(id(old), fresh)
-    assert id(old) not in store._ENTRIES
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    entry = store._entry_for(p, "w", False)
+    assert store.entry_of(p) is entry and store._entry_for(p, "w", False) is entry and entry.master is not None
+    assert store.entry_of(copy.deepcopy(p)) is None
+    buf = io.BytesIO()
+    torch.save(torch.nn.ParameterList([p]), buf)
+    buf.seek(0)
+    assert store.entry_of(torch.load(buf, weights_only=False)[0]) is None
+    gone = weakref.ref(entry)
+    del p, entry
+    gc.collect()
+    assert gone() is None   # dropped with its parameter
+    assert store.entry_of(torch.nn.Parameter(torch.zeros(3))) is None
 
 
 # overlap="backward": speculative updates during the backward, exact by rollback -----------------

@@ -17,7 +17,7 @@ import megacompile
 from conftest import batch, tiny_model
 from megacompile.backend import programs_of
 from megacompile.runtime.adamw import HostAdamW
-from megacompile.runtime.host_arena import _ROW_OF
+from megacompile.runtime.store import entry_of
 
 
 def _train(model, arena: bool, steps: int = 2, host_adam: bool = False, edit=None):
@@ -60,7 +60,7 @@ def test_one_arena_per_layer_kind_and_separate_storages(tmp_path):
     model = tiny_model("llama", layers=3, dtype=torch.bfloat16)
     _train(model, True, steps=1)
     layers = model.model.layers
-    rows = [_ROW_OF[layer.mlp.down_proj.weight] for layer in layers]
+    rows = [entry_of(layer.mlp.down_proj.weight).arena_row for layer in layers]
     assert len(set(map(id, rows))) == 3                       # one row per layer...
     assert len({r.buffer.untyped_storage().data_ptr() for r in rows}) == 1   # ...in one allocation
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
