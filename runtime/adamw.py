@@ -21,6 +21,7 @@ falls back to torch's fused AdamW plus a copy (a warning says so once).
 """
 from __future__ import annotations
 
+import enum
 import math
 import os
 import threading
@@ -56,6 +57,24 @@ def kernel():
 
 #: HostAdamW's `overlap` values (also accepted by `megatrain train`'s overlap_optimizer)
 OVERLAP_MODES = (False, True, "none", "forward", "backward")
+
+
+class Overlap(enum.Enum):
+    """When HostAdamW's updates run (the `overlap` argument)."""
+    NONE = "none"           # in step(), before it returns
+    FORWARD = "forward"     # on a host thread from step() on, under the next forward
+    BACKWARD = "backward"   # as FORWARD, and from arm() on each weight's as its gradient lands
+
+    @classmethod
+    def of(cls, value: bool | str) -> "Overlap":
+        return {False: cls.NONE, True: cls.FORWARD}.get(value) or cls(value)
+
+
+class Speculation(enum.Enum):
+    """Where an overlap="backward" optimizer is between steps (the class docstring's protocol)."""
+    READY = "ready"     # the next arm() speculates
+    ARMED = "armed"     # between arm() and step()/discard(): updates start as gradients land
+    PAUSED = "paused"   # the last step was clipped: the next arm() does nothing, step() updates
 
 
 def squared_norm(t: torch.Tensor, threads: int = 0) -> float:
@@ -139,16 +158,15 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError(f"HostAdamW: overlap={overlap!r}; use False, True/'forward' (under the next forward) "
                              "or 'backward' (each layer's update starts during the backward)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.overlap = overlap not in (False, "none")
+        self.mode = Overlap.of(overlap)
         # threads of an overlapped update: all cores but two, left to the training thread (which
         # launches the device's kernels) and the gradient worker
         self.host_threads = host_threads if host_threads is not None else max(1, (os.cpu_count() or 2) - 2)
-        self.backward = overlap == "backward"
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
         # overlap="backward": speculative updates (see the class docstring)
         self.rollback_bytes = rollback_bytes
-        self._armed = False
+        self.speculation = Speculation.READY
         self._offloaders: set = set()   # listened to while armed
         self._hyper: dict[nn.Parameter, tuple] = {}        # parameter -> its group's hyper-parameters
         self._spec: dict[nn.Parameter, tuple] = {}         # updated during this backward: (grad, version, hyper)
@@ -157,7 +175,6 @@ class HostAdamW(torch.optim.Optimizer):
         self._snap_bytes = 0
         self._futures: list[Future] = []
         self._pool: ThreadPoolExecutor | None = None
-        self._speculate_next = True
         self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0, "paused": 0}
         # parameter -> whether its last update left a NaN or inf in its weights (nonfinite())
         self._nonfinite: dict[nn.Parameter, bool] = {}
@@ -174,9 +191,9 @@ class HostAdamW(torch.optim.Optimizer):
     def arm(self) -> None:
         """The next backward is this step's last (after any gradient accumulation): update each
         weight as soon as its gradient is complete. Needs overlap="backward" (else a no-op)."""
-        if not self.backward or self._armed:
+        if self.mode is not Overlap.BACKWARD or self.speculation is Speculation.ARMED:
             return
-        if not self._speculate_next:   # the last step was clipped: this one updates in step()
+        if self.speculation is Speculation.PAUSED:   # the last step was clipped: this one updates in step()
             self.counters["paused"] += 1
             return
         self.synchronize()
@@ -189,7 +206,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._hyper = {p: _hyper(g) for g in self.param_groups for p in g["params"]}
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
-        self._armed = True
+        self.speculation = Speculation.ARMED
         # the gradient paths of the programs that read these weights (runtime/grad_offload.py)
         self._offloaders = {o for g in self.param_groups for p in g["params"] if (e := entry_of(p)) is not None
                             for o in e.offloaders}
@@ -199,7 +216,7 @@ class HostAdamW(torch.optim.Optimizer):
     @property
     def armed(self) -> bool:
         """Between `arm()` and `step()` / `discard()`."""
-        return self._armed
+        return self.speculation is Speculation.ARMED
 
     def _guard(self) -> str | None:
         if self._spec:
@@ -211,7 +228,8 @@ class HostAdamW(torch.optim.Optimizer):
     def _on_gradient(self, entry) -> None:
         """(grad_offload worker) `entry`'s gradient is complete: start its update."""
         p = entry.param_ref()
-        if not self._armed or p is None or p not in self._hyper or p in self._spec or p.grad is None:
+        if (self.speculation is not Speculation.ARMED or p is None or p not in self._hyper or p in self._spec
+                or p.grad is None):
             return
         weights, _ = self._buffers(p)
         if not self._snapshot_fits(p, weights):
@@ -274,7 +292,8 @@ class HostAdamW(torch.optim.Optimizer):
         for offloader in self._offloaders:
             offloader.unlisten(self._on_gradient, self._guard)
         self._offloaders = set()
-        self._armed = False
+        if self.speculation is Speculation.ARMED:   # (a paused one stays paused)
+            self.speculation = Speculation.READY
         self._wait_speculation()
         spec, self._spec = self._spec, {}
         return spec
@@ -321,7 +340,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _step(self, closure, grad_scale: float):
         self.synchronize()
-        spec = self._disarm() if self._armed else {}
+        spec = self._disarm() if self.armed else {}
         self._norms = {}
         loss = None
         if closure is not None:
@@ -329,7 +348,8 @@ class HostAdamW(torch.optim.Optimizer):
                 loss = closure()
         # speculate in the next backward only if this step was not clipped: while the norm is
         # clipped, the copies and rollbacks would be paid for nothing (exact either way)
-        self._speculate_next = grad_scale == 1.0
+        if self.mode is Overlap.BACKWARD:
+            self.speculation = Speculation.READY if grad_scale == 1.0 else Speculation.PAUSED
         work = []   # (order, parameter, its gradient, hyper-parameters, undo a speculative update first)
         for group in self.param_groups:
             hyper = _hyper(group)
@@ -350,7 +370,7 @@ class HostAdamW(torch.optim.Optimizer):
         for p in spec:   # updated during the backward but not a parameter of any group now
             self._rollback(p)
         work.sort(key=lambda w: w[0])   # the order the forward reads the weights
-        later = [w for w in work if w[0] >= 0] if self.overlap else []
+        later = [w for w in work if w[0] >= 0] if self.mode is not Overlap.NONE else []
         for _, p, grad, hyper, undo in work if not later else [w for w in work if w[0] < 0]:   # outside the store: now
             self._update(p, grad, hyper, grad_scale, undo=undo)
         if later:
@@ -424,7 +444,7 @@ class HostAdamW(torch.optim.Optimizer):
         return [p for p, bad in list(self._nonfinite.items()) if bad]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._armed:   # gradients dropped without a step: its speculative updates are undone
+        if self.armed:   # gradients dropped without a step: its speculative updates are undone
             self.discard()
         if not set_to_none:   # zeroing in place would race with an overlapped step reading them
             self.synchronize()
@@ -439,14 +459,14 @@ class HostAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
-        if self._armed:
+        if self.armed:
             raise RuntimeError("HostAdamW.state_dict() between arm() and step(): the state holds speculative "
                                "updates; call step() or discard() first")
         self.synchronize()
         return super().state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        if self._armed:
+        if self.armed:
             self.discard()
         self.synchronize()
         super().load_state_dict(state_dict)

@@ -30,7 +30,7 @@ import torch
 
 from .. import log as logs, vlm
 from ..errors import ConfigError, TrainingError
-from ..runtime.adamw import HostAdamW
+from ..runtime.adamw import HostAdamW, Overlap
 from ..vlm import is_vlm
 from . import checkpoint, lora, resume, schedule, stream
 from .config import TrainConfig
@@ -393,8 +393,8 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                     row["tflops"] = sum(w[3] for w in window) / max(sum(w[2] for w in window), 1e-9) / 1e12
                     row["mfu"] = row["tflops"] / peak_tflops if peak_tflops > 0 else None
                 row["peak_device_bytes"] = _peak_device_bytes(cmodel)
-                if optimizer.backward:   # is the optimizer under the backward paying off? (cumulative counts)
-                    row["optimizer_overlap"] = dict(optimizer.counters)
+                if optimizer.mode is Overlap.BACKWARD:   # is the optimizer under the backward paying off?
+                    row["optimizer_overlap"] = dict(optimizer.counters)   # (cumulative counts)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 reporter.log(row, state["step"], prefix="train")   # report_to's trackers (report.py)
