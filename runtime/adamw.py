@@ -24,7 +24,6 @@ from __future__ import annotations
 import enum
 import math
 import os
-import threading
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -162,7 +161,10 @@ class HostAdamW(torch.optim.Optimizer):
         # threads of an overlapped update: all cores but two, left to the training thread (which
         # launches the device's kernels) and the gradient worker
         self.host_threads = host_threads if host_threads is not None else max(1, (os.cpu_count() or 2) - 2)
-        self._worker: threading.Thread | None = None
+        # one host thread runs every update off the training thread (speculative ones during the
+        # backward, the overlapped step under the next forward): made at first use
+        self._pool: ThreadPoolExecutor | None = None
+        self._running: Future | None = None   # the overlapped step in flight
         self._error: BaseException | None = None
         # overlap="backward": speculative updates (see the class docstring)
         self.rollback_bytes = rollback_bytes
@@ -174,7 +176,6 @@ class HostAdamW(torch.optim.Optimizer):
         self._snap: dict[nn.Parameter, tuple] = {}         # rollback copies, kept between steps
         self._snap_bytes = 0
         self._futures: list[Future] = []
-        self._pool: ThreadPoolExecutor | None = None
         self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0, "paused": 0}
         # parameter -> whether its last update left a NaN or inf in its weights (nonfinite())
         self._nonfinite: dict[nn.Parameter, bool] = {}
@@ -204,8 +205,6 @@ class HostAdamW(torch.optim.Optimizer):
                          if not self.state[p])
             self.rollback_bytes = max(0, _available_host_bytes() - unborn) // 2
         self._hyper = {p: _hyper(g) for g in self.param_groups for p in g["params"]}
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
         self.speculation = Speculation.ARMED
         # the gradient paths of the programs that read these weights (runtime/grad_offload.py)
         self._offloaders = {o for g in self.param_groups for p in g["params"] if (e := entry_of(p)) is not None
@@ -237,7 +236,12 @@ class HostAdamW(torch.optim.Optimizer):
             return
         self._spec[p] = (p.grad, p.grad._version, self._hyper[p])   # claimed; filled in by the update
         entry.ready.clear()   # a read of this weight waits for its update
-        self._futures.append(self._pool.submit(self._speculate, p, entry))
+        self._futures.append(self._host().submit(self._speculate, p, entry))
+
+    def _host(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
+        return self._pool
 
     def _snapshot_fits(self, p, weights) -> bool:
         if p in self._snap:
@@ -376,9 +380,7 @@ class HostAdamW(torch.optim.Optimizer):
         if later:
             for w in later:
                 entry_of(w[1]).ready.clear()
-            self._worker = threading.Thread(target=self._run, args=(later, grad_scale), daemon=True,
-                                            name="megatrain-optimizer")
-            self._worker.start()
+            self._running = self._host().submit(self._run, later, grad_scale)
         return loss
 
     def _run(self, work, grad_scale: float) -> None:
@@ -395,9 +397,9 @@ class HostAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for an overlapped step to finish (re-raising its error, if any)."""
-        if self._worker is not None:
-            self._worker.join()
-            self._worker = None
+        if self._running is not None:
+            self._running.result()   # (_run keeps its error for below)
+            self._running = None
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError("megatrain: the overlapped optimizer step failed") from error
