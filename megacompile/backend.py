@@ -28,7 +28,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from . import output_hooks
 from .capture import ModelCapture, capture_inputs
 from .options import Options
-from .ir import MEMORY_PLAN, RUNTIME_READS
+from .ir import MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
 from .passes import PassContext, check_pipeline, run_pipeline
 from .passes.dedupe_bodies import dedupe_bodies
 from .passes.fused_kernels import fused_kernels
@@ -73,18 +73,25 @@ _PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, list[Program]]" = weakref
 class Program:
     """Everything compiled for one Dynamo graph: the runners, the pool and the step figures."""
 
-    def __init__(self, capture: ModelCapture, params: dict[int, torch.nn.Parameter], options: Options):
+    def __init__(self, capture: ModelCapture, params: dict[int, torch.nn.Parameter], options: Options,
+                 runtime: bool = True):
+        """`runtime=False`: compile only (plan, inspect): the compile artifacts (`compiled`), no
+        weight store, pool, gradient path or runners."""
         self.options = options
         self.capture = capture
         device = options.torch_device
         names = {inp.index: inp.name for inp in capture.inputs}
-        # (pinned later, when the schedule is known: host arenas per layer kind, runtime/host_arena.py)
-        self.grads = GradOffloader(device, overlap=options.overlap_grads)
-        self.entries = self._subscribe(store.register(params, names, pin=False))
-        self.arena_rows: dict | None = None   # flat index -> host arena row, built at the first forward
-        self.pool = DeviceWeightPool(device, options.slots)
-        self.hardware = options.hardware_profile()
+        self.weight_nbytes = {i: p.numel() * p.element_size() for i, p in params.items()}   # (one transfer each)
+        self.compiled: dict[str, Compiled] = {}
+        self.runtime = runtime
         self.runners: dict[str, DirectionRunner] = {}
+        if runtime:
+            # (pinned later, when the schedule is known: host arenas per layer kind, runtime/host_arena.py)
+            self.grads = GradOffloader(device, overlap=options.overlap_grads)
+            self.entries = self._subscribe(store.register(params, names, pin=False))
+            self.arena_rows: dict | None = None   # flat index -> host arena row, built at the first forward
+            self.pool = DeviceWeightPool(device, options.slots)
+        self.hardware = options.hardware_profile()
         self.pass_records: dict[str, list] = {}
         self.lowering_records: dict[str, dict] = {}   # direction -> body -> eager | inductor, and why
         self.last_stats: dict[str, Any] = {}
@@ -128,7 +135,7 @@ class Program:
             num_groups=cap.num_layers + 2,
             flat_groups={inp.index: inp.group for inp in cap.inputs if inp.kind == "param"},
             device=self.options.torch_device,
-            weight_nbytes={i: e.nbytes for i, e in self.entries.items()},
+            weight_nbytes=self.weight_nbytes,
             slots=self.options.slots,
             module_groups=self.capture.module_groups(),
             recompute_head=self.options.recompute_head,
@@ -170,11 +177,13 @@ class Program:
         ctx = self.context(direction)
         top = run_pipeline(gm, DIRECTION_PASSES, ctx)
         self.pass_records[direction] = ctx.records
-        runner = DirectionRunner(direction, top, self)
-        self.runners[direction] = runner
+        done = self.compiled[direction] = compiled(direction, top)
         if direction == "backward" or not training:  # a training step is checked once both exist
-            check_budget({d: r.plan for d, r in self.runners.items() if r.plan is not None},
+            check_budget({d: c.plan for d, c in self.compiled.items() if c.plan is not None},
                          self.options.device_budget_bytes, self.options.slots)
+        if not self.runtime:
+            return _compile_only
+        runner = self.runners[direction] = DirectionRunner(done, self)
         return runner
 
     # step accounting ----------------------------------------------------------------
@@ -197,26 +206,28 @@ class Program:
         self.last_stats = self.stats_now()
 
     def stats_now(self) -> dict[str, Any]:
-        fw = self.runners.get("forward")
-        bw = self.runners.get("backward")
+        fw = self.compiled.get("forward")
+        bw = self.compiled.get("backward")
         layer_groups = range(1, self.capture.num_layers + 1)
 
-        def layer_bodies(runner):
-            if runner is None:
+        def layer_bodies(done):
+            if done is None:
                 return 0
-            return len({runner.body_of[k] for k, seg in enumerate(runner.schedule.segments)
-                        if seg.group in layer_groups})
+            return len({done.body_of[k] for k, seg in enumerate(done.schedule.segments) if seg.group in layer_groups})
 
+        moved = {}
+        if self.runtime:   # (what the runtime moved and holds)
+            moved = {"peak_device_weight_bytes": self.pool.counters.peak_resident_bytes,
+                     "h2d_bytes": self.pool.counters.h2d_bytes,
+                     "h2d_copies": self.pool.counters.h2d_copies,
+                     "arena_weights": len(self.arena_rows or ()),
+                     "grad_slab_bytes": self.grads.slabs.nbytes if self.grads.slabs is not None else 0}
         return {
             "device": str(self.options.torch_device),
             "layers": self.capture.num_layers,
             "slots": self.options.slots,
             "peak_device_bytes": self._step.get("peak_device_bytes", 0),
-            "peak_device_weight_bytes": self.pool.counters.peak_resident_bytes,
-            "h2d_bytes": self.pool.counters.h2d_bytes,
-            "h2d_copies": self.pool.counters.h2d_copies,
-            "arena_weights": len(self.arena_rows or ()),
-            "grad_slab_bytes": self.grads.slabs.nbytes if self.grads.slabs is not None else 0,
+            **moved,
             "inductor_bodies": sum(r.get("lowering") == "inductor" for recs in self.lowering_records.values()
                                    for r in recs.values()),
             "d2h_bytes": self._step.get("d2h_bytes", 0),
@@ -224,21 +235,27 @@ class Program:
             "distinct_bodies": {"forward": len(fw.bodies) if fw else 0,
                                 "backward": len(bw.bodies) if bw else 0},
             "distinct_backward_layer_bodies": layer_bodies(bw),
-            "segments": {"forward": len(fw.calls) if fw else 0, "backward": len(bw.calls) if bw else 0},
+            "segments": {"forward": len(fw.body_of) if fw else 0, "backward": len(bw.body_of) if bw else 0},
             "forward_seconds": self._step.get("forward_seconds", 0.0),
             "backward_seconds": self._step.get("backward_seconds", 0.0),
-            "weight_bytes": sum(e.nbytes for e in self.entries.values()),
+            "weight_bytes": sum(self.weight_nbytes.values()),
             # stacked expert weights whose rows are fetched by routing (options routed_experts)
             "routed_weights": len({i for seg in fw.schedule.segments for i in seg.routed}) if fw else 0,
         }
 
 
-def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, **_ignored):
-    """TorchDynamo backend entry point (registered as "megatrain" via entry points)."""
+def _compile_only(*_args):
+    raise RuntimeError("this megatrain program was compiled for inspection (plan/inspect) and does not run")
+
+
+def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, runtime: bool = True,
+                      **_ignored):
+    """TorchDynamo backend entry point (registered as "megatrain" via entry points). `runtime=False`
+    (plan, inspect): compile to the artifacts (`Program.compiled`) without building the runtime."""
     opts = Options.from_mapping(options)   # (disable_passes checked there: check_pipelines, before any work)
     output_hooks.register()  # again: torch._dynamo.reset() drops it
     capture, params = capture_inputs(gm, example_inputs)
-    program = Program(capture, params, opts)
+    program = Program(capture, params, opts, runtime=runtime)
     trace_inputs = example_inputs
     # fused_kernels is a no-op unless the kernels resolve to Triton, fused_lm_loss unless
     # logits="drop", retarget_device when the device is the CPU. Off the CPU, forward/backward are

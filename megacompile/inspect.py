@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from .backend import Program, megatrain_backend, programs_of
+from .ir import Compiled
 from . import meta_attention
 from .cost_model import body_cost, optimizer_seconds
 from .hardware import Hardware
@@ -53,23 +54,22 @@ class DirectionReport:
     program: str = ""              # the schedule as one FX program (ir.schedule_program)
 
 
-def segment_report(runner, hw: Hardware) -> tuple[list[dict], list[SegmentCost]]:
+def segment_report(done: Compiled, capture, hw: Hardware) -> tuple[list[dict], list[SegmentCost]]:
     """Per segment: what it reads, computes and moves (cost model), and its simulator cost."""
-    schedule = runner.schedule
-    cap = runner.program.capture
-    top = runner.graph
-    costs = segment_costs(top, schedule.segments, hw)
+    schedule = done.schedule
+    costs = segment_costs(done.graph, schedule.segments, hw)
+    transient = done.transient
     segs = []
     for k, (seg, cost) in enumerate(zip(schedule.segments, costs)):
-        body = body_cost(runner.calls[k].body)
-        replay = body_cost(runner.calls[k].body, recompute_only=True)
+        body = body_cost(done.body(k))
+        replay = body_cost(done.body(k), recompute_only=True)
         total = body.seconds(hw)
-        segs.append({"index": k, "name": cap.group_name(seg.group) if seg.group >= 0 else "prologue",
-                     "group": seg.group, "body": runner.body_of[k], "weights_bytes": seg.weight_nbytes,
+        segs.append({"index": k, "name": capture.group_name(seg.group) if seg.group >= 0 else "prologue",
+                     "group": seg.group, "body": done.body_of[k], "weights_bytes": seg.weight_nbytes,
                      "grad_bytes": cost.grad_bytes, "flops": body.flops, "memory_bytes": body.memory_bytes,
                      "ops": body.ops, "seconds": cost.seconds,
                      "recompute_fraction": replay.seconds(hw) / total if total else 0.0,
-                     "transient_bytes": runner.transient[runner.body_of[k]]})
+                     "transient_bytes": transient[done.body_of[k]]})
     return segs, [SegmentCost(s["name"], c.weight_bytes, c.grad_bytes, c.seconds) for s, c in zip(segs, costs)]
 
 
@@ -172,7 +172,7 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
     """Compile forward and backward for meta inputs without running megatrain's runtime."""
     def capture(gm, example_inputs, **_):
         megatrain_backend(gm, example_inputs, options={"device": "cpu", "slots": slots, "hardware": hardware,
-                                                       **(options or {})})
+                                                       **(options or {})}, runtime=False)
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()
@@ -206,8 +206,8 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
     program = capture_program(model, batch, seq, slots, hardware, options)
     directions, t, after = {}, 0.0, trainable
     for direction in ("forward", "backward"):
-        runner = program.runners[direction]
-        segs, costs = segment_report(runner, hardware)
+        runner = program.compiled[direction]
+        segs, costs = segment_report(runner, program.capture, hardware)
         per_byte = None
         if direction == overlap_optimizer and (nbytes := optimizer_bytes(runner.schedule.steps, costs, direction)):
             per_byte, after = optimizer_seconds(in_store, hardware) / nbytes, trainable - in_store

@@ -257,6 +257,46 @@ def schedule_program(top: fx.GraphModule, segments: list[SegmentInfo], steps: li
     return fx.GraphModule(top, g)
 
 
+# one direction's compile result ------------------------------------------------------------
+@dataclass
+class Compiled:
+    """What compiling one direction produced, as plan, inspect and the runtime read it: the split
+    graph (SEGMENT-tagged body calls; its meta holds the SCHEDULE, with the program, and the
+    MEMORY_PLAN when that pass ran) and its distinct bodies. No runtime object is needed to read
+    it (`megatrain plan` and `inspect` compile on the meta device and stop here)."""
+    direction: str
+    graph: fx.GraphModule
+    bodies: dict[str, fx.GraphModule]   # body name -> its graph (deduplicated: shared by segments)
+    body_of: list[str]                  # segment -> the body it runs
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.graph.meta[SCHEDULE]
+
+    @property
+    def plan(self) -> "MemoryPlan | None":
+        return self.graph.meta.get(MEMORY_PLAN)
+
+    @property
+    def transient(self) -> dict[str, int]:
+        """Planned intermediate bytes per body (0 when the memory plan did not run)."""
+        plan = self.plan
+        return {name: plan.transient.get(name, 0) if plan else 0 for name in self.bodies}
+
+    def body(self, k: int) -> fx.GraphModule:
+        return self.bodies[self.body_of[k]]
+
+
+def compiled(direction: str, top: fx.GraphModule) -> Compiled:
+    bodies: dict[str, fx.GraphModule] = {}
+    body_of = []
+    for n in segment_calls(top):
+        name = n.meta.get(BODY, n.target)
+        bodies.setdefault(name, top.get_submodule(name))
+        body_of.append(name)
+    return Compiled(direction, top, bodies, body_of)
+
+
 # liveness --------------------------------------------------------------------------------
 @dataclass
 class Liveness:

@@ -143,7 +143,7 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
     program = capture_program(model, batch, seq, slots, hw, options)
     num_layers = program.capture.num_layers
     out = {}
-    for direction, runner in program.runners.items():
+    for direction, runner in program.compiled.items():
         top = runner.graph
         segs = runner.schedule.segments
         produced = {}
@@ -157,11 +157,10 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
                 if a.name in produced:
                     saved[produced[a.name]] += value_bytes(a.meta.get("val"))
         layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
-        per_body: dict[int, float] = {}
-        for c in runner.calls:
-            if id(c.body) not in per_body:
-                per_body[id(c.body)] = body_seconds(c.body, hw)
-        seconds = [per_body[id(c.body)] for c in runner.calls]
+        per_body: dict[str, float] = {}
+        for name, body in runner.bodies.items():
+            per_body[name] = body_seconds(body, hw)
+        seconds = [per_body[name] for name in runner.body_of]
         out[direction] = DirectionCosts(segs, seconds, layer, saved, runner.plan.peak_bytes if runner.plan else 0)
     return Capture(batch, out)
 

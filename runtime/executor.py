@@ -25,8 +25,7 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import (BODY, FLAT_INDEX, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, Schedule, liveness, op_of,
-                  segment_calls)
+from ..ir import FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, liveness, op_of, segment_calls
 from .weight_pool import DeviceWeightPool
 
 
@@ -57,11 +56,13 @@ class DirectionRunner:
 
     _boxed_call = True  # AOT passes the argument list itself, so we can drop saved tensors early
 
-    def __init__(self, direction: str, top: fx.GraphModule, program):
+    def __init__(self, compiled: Compiled, program):
+        direction, top = compiled.direction, compiled.graph
         self.direction = direction
         self.program = program
+        self.compiled = compiled
         self.graph = top  # the split graph, kept for inspection
-        self.schedule: Schedule = top.meta[SCHEDULE]
+        self.schedule: Schedule = compiled.schedule
         self.device: torch.device = program.options.torch_device
         self.placeholders: list[tuple[str, int | None]] = []
         for n in top.graph.nodes:
@@ -69,19 +70,12 @@ class DirectionRunner:
                 weight = n.meta.get(FLAT_INDEX) if WEIGHT_GROUP in n.meta else None
                 self.placeholders.append((n.name, weight))
         weight_names = {name: idx for name, idx in self.placeholders if idx is not None}
-        self.calls: list[Call] = []
-        bodies: dict[str, fx.GraphModule] = {}
-        for n in segment_calls(top):
-            body_name = n.meta.get(BODY, n.target)
-            body = bodies.setdefault(body_name, top.get_submodule(body_name))
-            inputs = [(a.name, weight_names.get(a.name)) for a in n.args]
-            self.calls.append(Call(body, inputs, list(n.meta[SEGMENT]["outputs"])))
-        self.bodies = bodies
+        self.bodies, self.body_of = compiled.bodies, compiled.body_of
+        self.calls = [Call(compiled.body(k), [(a.name, weight_names.get(a.name)) for a in n.args],
+                           list(n.meta[SEGMENT]["outputs"])) for k, n in enumerate(segment_calls(top))]
         # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
-        plan = top.meta.get(MEMORY_PLAN)
-        self.plan = plan
-        self.transient = {name: plan.transient.get(name, 0) if plan else 0 for name in bodies}
-        self.body_of = [next(k for k, b in bodies.items() if b is c.body) for c in self.calls]
+        self.plan = compiled.plan
+        self.transient = compiled.transient
         self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
         # the program's nodes as (profiler range, handler, node, values dead after it): one table
         # of handlers; the values die by the memory plan's own analysis (ir.liveness)

@@ -178,3 +178,24 @@ def test_every_preset_inspects(preset, capsys):
     fw = report["directions"]["forward"]
     last = [s["name"] for s in fw["segments"]][-3:]   # (a VLM's stack: model.language_model.layers)
     assert last[0].endswith("layers.0") and last[1].endswith("layers.1") and last[2] == "head", last
+
+
+def test_inspect_compiles_to_artifacts_without_a_runtime():
+    """plan and inspect read compile artifacts (ir.Compiled: the split graph, its schedule
+    program, memory plan and bodies): no weight store entries, pool, gradient path or runners."""
+    import pytest
+    import torch
+
+    from megacompile.inspect import build_meta_model, capture_program
+    from megacompile.runtime.store import entry_of
+    model, _ = build_meta_model("llama-3-8b", 2, torch.bfloat16)
+    program = capture_program(model, 1, 64, 2)
+    assert not program.runtime and not program.runners and set(program.compiled) == {"forward", "backward"}
+    assert not hasattr(program, "pool") and not hasattr(program, "grads")
+    assert all(entry_of(p) is None for p in model.parameters())
+    for done in program.compiled.values():
+        assert done.plan is not None and done.schedule.program is not None
+        assert len(done.body_of) == len(done.schedule.segments)
+    with pytest.raises(RuntimeError, match="compiled for inspection"):
+        from megacompile.backend import _compile_only
+        _compile_only([])
