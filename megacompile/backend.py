@@ -44,6 +44,7 @@ from .passes.split_segments import split_segments
 from .passes.tag_weights import tag_weights
 from .passes.unshare_weight_views import unshare_weight_views
 from .runtime import store
+from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
 from .runtime.executor import DirectionRunner
 from .runtime.grad_offload import GradOffloader
 from .runtime.weight_pool import DeviceWeightPool

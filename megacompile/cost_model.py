@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from .hardware import Hardware
 from .ir import dim_hint, materialize as _materialize  # noqa: F401 (dim_hint: re-exported)
-from .runtime.expert_rows import fetch_expert_rows
+from .ir_ops import fetch_expert_rows
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}

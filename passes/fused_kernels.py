@@ -8,8 +8,8 @@ one contiguous run tagged with the module in `nn_module_stack`:
 
     silu(gate) * up   ─▶   swiglu(gate, up)                                     (gated MLPs)
 
-AOTAutograd then traces each custom op (runtime/kernels/ops.py) as one node and its backward
-as one node, and the layer passes treat them like any op. Which RMSNorm modules qualify is
+AOTAutograd then traces each custom op (megacompile/ir_ops.py; kernels in runtime/kernels/ops.py)
+as one node and its backward as one node, and the layer passes treat them like any op. Which RMSNorm modules qualify is
 decided by their code, not their name: a module class whose `forward` is, statement for
 statement, transformers' LlamaRMSNorm (offset 0, cast to the input dtype before the weight) or
 Gemma3RMSNorm (`1 + weight`, cast after), so every "Copied from Llama" norm (Qwen, Mistral,
@@ -155,7 +155,7 @@ def _replace_swiglu(gm: fx.GraphModule, mul: fx.Node) -> bool:
 def fused_kernels(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.kernels != "triton":
         return gm
-    from ..runtime.kernels import ops  # noqa: F401  (registers torch.ops.megatrain.*)
+    from .. import ir_ops  # noqa: F401  (defines torch.ops.megatrain.*)
     counts = {"rms_norm": 0, "swiglu": 0}
     for key, run in list(_runs(gm)):
         counts["rms_norm"] += _replace_rmsnorm(gm, key, run)

@@ -15,9 +15,10 @@ and this pass rewrites it to
 
 Why: at a 150k vocabulary the logits, their fp32 upcast and its gradient are ~10 bytes x tokens x
 V (10 GiB at 8k tokens x 128k): the largest tensors of the step and what limits the batch size
-once the weights are streamed. The op (runtime/kernels/ops.py, chunked_ce.py) works through
-[chunk, V] blocks (Triton where it runs, torch math otherwise), computes the gradients in the
-same sweep and saves dh [tokens, H] and dW [V, H] for the backward instead of the logits.
+once the weights are streamed. The op (megacompile/ir_ops.py; its kernels runtime/kernels/ops.py,
+chunked_ce.py) works through [chunk, V] blocks (Triton where it runs, torch math otherwise),
+computes the gradients in the same sweep and saves dh [tokens, H] and dW [V, H] for the backward
+instead of the logits.
 Anything computed after the cross entropy (HF's division by `num_items_in_batch` with
 reduction="sum") is untouched. Numerics equal eager's: the same bf16 logits, fp32 softmax,
 gradient rounded to the logits dtype.
@@ -117,7 +118,7 @@ def _without(value, dropped: fx.Node):
 def fused_lm_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.logits != "drop":
         return gm
-    from ..runtime.kernels import ops  # noqa: F401  (registers torch.ops.megatrain.*)
+    from .. import ir_ops  # noqa: F401  (defines torch.ops.megatrain.*)
     reasons = []
     replaced = 0
     for loss in list(gm.graph.nodes):

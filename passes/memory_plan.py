@@ -20,7 +20,7 @@ import torch.fx as fx
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
 from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness,
                   segment_calls, walk)
-from ..runtime.expert_rows import fetch_expert_rows
+from ..ir_ops import fetch_expert_rows, linear_cross_entropy_workspace, triton_runs
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
 _ALIASING = {torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default, fetch_expert_rows}
@@ -42,7 +42,6 @@ def value_bytes(val) -> int:
 def _workspace(n: fx.Node, triton: bool) -> int:
     """Bytes an op allocates internally beyond its outputs (our fused ops; 0 for aten ops)."""
     if n.op == "call_function" and getattr(n.target, "name", lambda: "")() == "megatrain::linear_cross_entropy":
-        from ..runtime.kernels.ops import linear_cross_entropy_workspace, triton_runs
         hidden, weight = (a.meta.get("val") for a in n.args[:2])
         if isinstance(hidden, torch.Tensor) and isinstance(weight, torch.Tensor):
             vocab, n_hidden = (dim_hint(d) for d in weight.shape)

@@ -10,9 +10,9 @@ This pass makes the stacked weight's rows a function of the routing:
              W {mt_routed_experts}: the prefetch allocates its device buffer but copies nothing
 
 At run time `fetch_expert_rows` copies from the host only the rows of experts with tokens
-(`runtime/expert_rows.py`), after the router has run; the backward (whose recompute replays
-the router) does the same, and the gradient, zero for every expert without tokens, leaves the
-device for the routed rows only. Exact: the rows that were not fetched are never read.
+(`megacompile/ir_ops.py`, filled by `runtime/expert_rows.py`), after the router has run; the
+backward (whose recompute replays the router) does the same, and the gradient, zero for every
+expert without tokens, leaves the device for the routed rows only. Exact: the rows that were not fetched are never read.
 
 A weight is routed only when every use is a grouped-matmul weight operand reached through
 transposes/permutes that keep the expert dimension first, all with the same `offs`; anything
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..runtime.expert_rows import fetch_expert_rows
+from ..ir_ops import fetch_expert_rows
 from ..ir import FLAT_INDEX, ROUTED, WEIGHT_GROUP
 from . import PassContext, graph_pass
 

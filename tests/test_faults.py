@@ -462,7 +462,8 @@ def test_sigterm_unwinds_like_ctrl_c_and_the_run_resumes(tiny_dir, tmp_path):  #
     import subprocess
     import sys
     import time
-    cfg = yaml_config(tmp_path, tiny_dir, max_steps=400, save_steps=2, per_device_train_batch_size=1)
+    # (a run far longer than the test: the signal always lands mid-run, however fast the steps are)
+    cfg = yaml_config(tmp_path, tiny_dir, max_steps=100000, save_steps=2, per_device_train_batch_size=1)
     child = subprocess.Popen([sys.executable, "-m", "megacompile.cli", "train", str(cfg), "--no-progress"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -16,8 +16,9 @@ from typing import Callable
 
 import torch
 
+from ...ir_ops import DEFAULT_CHUNK_BYTES, chunk_rows  # noqa: F401  (the chunk sizing the memory plan counts)
+
 IGNORE_INDEX = -100
-DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None]
 
@@ -35,12 +36,6 @@ def torch_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Ten
     grad.scatter_add_(1, safe, torch.full_like(safe, -1, dtype=grad.dtype))
     grad.mul_(torch.where(valid, scale, 0.0).unsqueeze(1))
     logits.copy_(grad)
-
-
-def chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None, chunk_bytes: int) -> int:
-    if chunk_size is None:
-        chunk_size = chunk_bytes // max(1, vocab * itemsize)
-    return max(1, min(int(chunk_size), max(n_rows, 1)))
 
 
 def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
