@@ -388,24 +388,11 @@ def test_backward_updates_with_tied_weights_and_routed_experts(family):
     assert counters["kept"] == counters["rolled_back"] == 2 * params, counters
 
 
-def test_a_forward_between_the_armed_backward_and_the_step_is_refused():
-    model = tiny_model("llama", layers=2)
-    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
-    opt = HostAdamW(model.parameters(), lr=1e-2, overlap="backward")
-    ids, mask, labels = batch()
-    loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    opt.arm()
-    loss.backward()
-    with pytest.raises(RuntimeError, match="arm\\(\\) right before the step's last backward"):
-        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-    opt.step()
-    cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # allowed again
-
-
-def test_an_armed_optimizer_listens_to_its_own_programs_only():
-    """The optimizer subscribes to the gradient paths of the programs that read its weights
-    (runtime/grad_offload.py, one per program), not to the process: another model trains while
-    it holds speculative updates, and a forgotten armed optimizer blocks only its own model."""
+def test_a_forward_between_the_armed_backward_and_the_step_is_refused_for_its_own_model_only():
+    """Between arm()'s backward and the step, a forward of the model would read updated weights:
+    refused. The optimizer subscribes to the gradient paths of the programs that read its
+    weights (runtime/grad_offload.py, one per program), not to the process: another model
+    trains meanwhile, and after the step nothing listens any more."""
     ours, other = tiny_model("llama", layers=2), tiny_model("qwen3", layers=2)
     c_ours = torch.compile(ours, backend="megatrain", options={"device": "cpu"})
     c_other = torch.compile(other, backend="megatrain", options={"device": "cpu"})
@@ -415,13 +402,14 @@ def test_an_armed_optimizer_listens_to_its_own_programs_only():
     opt.arm()
     loss.backward()
     c_other(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # not ours
-    with pytest.raises(RuntimeError, match="arm\\(\\) right before"):
+    with pytest.raises(RuntimeError, match="arm\\(\\) right before the step's last backward"):
         c_ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
     assert opt.counters["speculated"] > 0
     subscribed = set(opt._offloaders)
     assert subscribed and all(o.listeners for o in subscribed)
     opt.step()
     assert not any(o.listeners for o in subscribed)   # unsubscribed at the step
+    c_ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()   # allowed again
 
 
 def test_overlap_mode_is_checked():
