@@ -51,3 +51,11 @@ def test_kernels_benchmark_smoke_run():
     for op in ("rmsnorm", "swiglu", "lm head + CE"):
         assert sum(line.startswith(op + " ") for line in out.splitlines()) == 2, (op, out)
     assert "copy bandwidth" in out
+
+
+def test_long_context_benchmark_smoke_run():
+    out = run("long_context.py", "--models", "llama-3-8b", "--gpus", "h200", "--start", "65536", "--limit", "131072",
+              "--cpu-seqs", "128", "--steps", "1", "--cpu-layers", "1", "--cpu-hidden", "32")
+    assert "longest sequence that fits" in out and "llama-3-8b" in out, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("    128 ")]
+    assert rows and len(rows[0]) == 6, out   # seq, megatrain s and peak, eager s and peak, ratio
