@@ -204,3 +204,52 @@ def fetch_expert_rows(weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         weight[e].copy_(src[e], non_blocking=cuda)  # pinned host rows: asynchronous on CUDA
     pending.pool.record_rows(pending.index, active, len(active) * src[0].numel() * src.element_size())
     return weight
+
+
+# -- segment-aware attention (issue 17: no seq x seq mask) ------------------------------------
+# Causal attention within segments of a row, described by int32 segment ids [b, s] (-1: a token
+# nobody attends, e.g. padding) instead of a dense [b, 1, s, s] mask: packed documents are
+# segments, padding is -1, a sliding window (`window` > 0) limits each query to the last
+# `window` positions. Returns the output [b, h, s, d] and the log-sum-exp [b, h, s] the backward
+# needs (fp32; fp64 for fp64 inputs), as flash attention does; a padding query's output is zero.
+@torch.library.custom_op("megatrain::segment_attention", mutates_args=())
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    _needs_kernel()
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype: fp32, fp64 for fp64 inputs (as torch's flash attention keeps it)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+@segment_attention.register_fake
+def _(q, k, v, seg, window, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("megatrain::segment_attention_backward", mutates_args=())
+def segment_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor,
+                               window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    _needs_kernel()
+
+
+@segment_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, seg, window, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _seg_setup(ctx, inputs, output):
+    q, k, v, seg, window, scale = inputs
+    ctx.save_for_backward(q, k, v, seg, *output)
+    ctx.window, ctx.scale = window, scale
+
+
+def _seg_backward(ctx, dout, _dlse):
+    q, k, v, seg, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.megatrain.segment_attention_backward(dout.contiguous(), q, k, v, out, lse, seg,
+                                                                ctx.window, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+segment_attention.register_autograd(_seg_backward, setup_context=_seg_setup)

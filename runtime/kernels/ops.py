@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ...ir_ops import linear_cross_entropy, rms_norm, rms_norm_backward, swiglu, swiglu_backward, triton_runs
+from . import segment_attention  # noqa: F401  (its CPU kernel)
 
 DEVICES = ("cpu", "cuda")
 
