@@ -21,7 +21,7 @@ cache fall back to transformers' dense SDPA mask, as do modules with softcapping
 sinks (their attention is not segment attention).
 
     from megacompile import attention
-    model.set_attn_implementation(attention.register())
+    attention.use(model)            # before torch.compile; refuses a model it cannot run
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, and_masks,
                                         prepare_padding_mask, sdpa_mask)
 
 from . import ir_ops  # noqa: F401  (defines torch.ops.megatrain.segment_attention)
+from .errors import UnsupportedModelError
 
 NAME = "megatrain_segment"
 
@@ -80,3 +81,23 @@ def register() -> str:
     AttentionInterface.register(NAME, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, segment_ids)
     return NAME
+
+
+def unsupported(model) -> str | None:
+    """Why segment attention cannot run `model` (None: it can): logit softcapping (Gemma2) and
+    attention sinks (GPT-OSS) change the softmax, which the segment kernel does not do yet."""
+    config = model.config.get_text_config(decoder=True)
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"{config.model_type} softcaps its attention logits"
+    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
+        return f"{config.model_type} uses attention sinks"
+    return None
+
+
+def use(model) -> None:
+    """Select segment attention for `model` (before torch.compile traces it)."""
+    why = unsupported(model)
+    if why:
+        raise UnsupportedModelError(f"segment attention cannot run this model: {why}; keep transformers' attention "
+                                    "for it")
+    model.set_attn_implementation(register())

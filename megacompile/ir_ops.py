@@ -210,7 +210,7 @@ def fetch_expert_rows(weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 # Causal attention within segments of a row, described by int32 segment ids [b, s] (-1: a token
 # nobody attends, e.g. padding) instead of a dense [b, 1, s, s] mask: packed documents are
 # segments, padding is -1, a sliding window (`window` > 0) limits each query to the last
-# `window` positions. Returns the output [b, h, s, d] and the log-sum-exp [b, h, s] the backward
+# `window` positions. Returns the output [b, h, s, dv] and the log-sum-exp [b, h, s] the backward
 # needs (fp32; fp64 for fp64 inputs), as flash attention does; a padding query's output is zero.
 @torch.library.custom_op("megatrain::segment_attention", mutates_args=())
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int,
@@ -224,8 +224,8 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @segment_attention.register_fake
-def _(q, k, v, seg, window, scale):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+def _(q, k, v, seg, window, scale):   # (the output has V's head size: MLA's differs from Q's)
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("megatrain::segment_attention_backward", mutates_args=())

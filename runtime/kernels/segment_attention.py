@@ -40,6 +40,13 @@ def _additive(band: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return None if band is None else torch.zeros(band.shape, dtype=dtype).masked_fill_(~band, float("-inf"))
 
 
+def _padded(*tensors: Tensor, size: int) -> list[Tensor]:
+    """Zero-padded to head size `size`: torch's CPU flash attention wants one head size for Q, K
+    and V (MLA's V differs). Exact: zero columns of Q and K add nothing to the scores (the scale
+    is explicit), zero columns of V give zero output columns, dropped afterwards."""
+    return [t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1])) for t in tensors]
+
+
 def _expand(q: Tensor, k: Tensor):
     groups = q.shape[1] // k.shape[1]
     return (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t), groups
@@ -47,14 +54,16 @@ def _expand(q: Tensor, k: Tensor):
 
 @segment_attention.register_kernel("cpu")
 def _forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float):
-    out = torch.zeros_like(q)
+    dv = v.shape[-1]
+    out = q.new_zeros((*q.shape[:-1], dv))
     lse = torch.zeros(q.shape[:-1], dtype=lse_dtype(q.dtype))
     expand, _ = _expand(q, k)
+    qp, kp, vp = _padded(q, k, v, size=max(q.shape[-1], dv))
     for b, qi, ki, band in tiles(seg, window):
         o, lse_tile = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[b:b + 1, :, qi], expand(k[b:b + 1, :, ki]), expand(v[b:b + 1, :, ki]), 0.0, band is None,
+            qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki]), 0.0, band is None,
             attn_mask=_additive(band, q.dtype), scale=scale)
-        out[b:b + 1, :, qi] = o
+        out[b:b + 1, :, qi] = o[..., :dv]
         lse[b:b + 1, :, qi] = lse_tile
     return out, lse
 
@@ -64,11 +73,14 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
               scale: float):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     expand, groups = _expand(q, k)
+    size = max(q.shape[-1], v.shape[-1])
+    qp, kp, vp, outp, doutp = _padded(q, k, v, out, dout, size=size)
     for b, qi, ki, band in tiles(seg, window):
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[b:b + 1, :, qi].contiguous(), q[b:b + 1, :, qi], expand(k[b:b + 1, :, ki]),
-            expand(v[b:b + 1, :, ki]), out[b:b + 1, :, qi], lse[b:b + 1, :, qi], 0.0, band is None,
+            doutp[b:b + 1, :, qi].contiguous(), qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]),
+            expand(vp[b:b + 1, :, ki]), outp[b:b + 1, :, qi], lse[b:b + 1, :, qi], 0.0, band is None,
             attn_mask=_additive(band, q.dtype), scale=scale)
+        gq, gk, gv = gq[..., :q.shape[-1]], gk[..., :k.shape[-1]], gv[..., :v.shape[-1]]
         if groups > 1:   # (the expanded K/V's gradients summed back per K/V head)
             gk = gk.unflatten(1, (k.shape[1], groups)).sum(2)
             gv = gv.unflatten(1, (k.shape[1], groups)).sum(2)
