@@ -206,26 +206,26 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
     program = capture_program(model, batch, seq, slots, hardware, options)
     directions, t, after = {}, 0.0, trainable
     for direction in ("forward", "backward"):
-        runner = program.compiled[direction]
-        segs, costs = segment_report(runner, program.capture, hardware)
+        done = program.compiled[direction]
+        segs, costs = segment_report(done, program.capture, hardware)
         per_byte = None
-        if direction == overlap_optimizer and (nbytes := optimizer_bytes(runner.schedule.steps, costs, direction)):
+        if direction == overlap_optimizer and (nbytes := optimizer_bytes(done.schedule.steps, costs, direction)):
             per_byte, after = optimizer_seconds(in_store, hardware) / nbytes, trainable - in_store
-        steps = label_runs(simulate(runner.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte,
+        steps = label_runs(simulate(done.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte,
                                     optimizer=direction), direction, segs)
         t = makespan(steps, t)
         saved = 0
         if direction == "backward":
             from .passes import WEIGHT_GROUP
-            for n in runner.graph.graph.nodes:
+            for n in done.graph.graph.nodes:
                 val = n.meta.get("val")
                 if (n.op == "placeholder" and WEIGHT_GROUP not in n.meta and not n.name.startswith("tangents")
                         and isinstance(val, torch.Tensor)):
                     saved += value_bytes(val)
         directions[direction] = DirectionReport(
-            segs, steps, runner.schedule.peak_resident_weight_bytes(), saved,
-            program.pass_records.get(direction, []), runner.schedule.lookahead,
-            {name: body.code for name, body in runner.bodies.items()}, runner.schedule.program.code)
+            segs, steps, done.schedule.peak_resident_weight_bytes(), saved,
+            program.pass_records.get(direction, []), done.schedule.lookahead,
+            {name: body.code for name, body in done.bodies.items()}, done.schedule.program.code)
     # (with the optimizer overlapped, t already holds its updates; what is left runs after)
     forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream != "host"), default=t)
     opt_end = t + optimizer_seconds(after, hardware)

@@ -185,16 +185,21 @@ def program_steps(program: fx.GraphModule) -> list[Step]:
     return [n.meta[STEP] for n in program.graph.nodes if STEP in n.meta]
 
 
-def walk(program: fx.GraphModule, handlers: dict) -> None:
-    """Call `handlers[op_of(node)](position, node)` for every node of `program`, in order. An op
-    without a handler is refused before the first node (a pass added an op this walker does
-    not know: the executor, the memory plan and the simulator each declare theirs)."""
+def dispatch(program: fx.GraphModule, handlers: dict) -> list[tuple[int, fx.Node, object]]:
+    """(position, node, its handler) for every node of `program`, in order; an op without a
+    handler is refused before any node runs (a pass added an op this walker does not know: the
+    executor, the memory plan and the simulator each declare theirs)."""
     nodes = list(program.graph.nodes)
     missing = {op_of(n) for n in nodes} - set(handlers)
     if missing:
         raise KeyError(f"no handler for schedule op(s) {sorted(missing)} (handlers for {sorted(handlers)})")
-    for i, n in enumerate(nodes):
-        handlers[op_of(n)](i, n)
+    return [(i, n, handlers[op_of(n)]) for i, n in enumerate(nodes)]
+
+
+def walk(program: fx.GraphModule, handlers: dict) -> None:
+    """Call `handlers[op_of(node)](position, node)` for every node of `program`, in order."""
+    for i, n, handler in dispatch(program, handlers):
+        handler(i, n)
 
 
 def schedule_program(top: fx.GraphModule, segments: list[SegmentInfo], steps: list[Step]) -> fx.GraphModule:

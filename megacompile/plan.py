@@ -37,6 +37,7 @@ import torch
 from .cost_model import body_seconds, optimizer_seconds
 from .errors import CannotFitError
 from .hardware import Hardware
+from .ir import segment_calls
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
 from .simulate import SegmentCost, makespan, optimizer_bytes, simulate
@@ -143,11 +144,11 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
     program = capture_program(model, batch, seq, slots, hw, options)
     num_layers = program.capture.num_layers
     out = {}
-    for direction, runner in program.compiled.items():
-        top = runner.graph
-        segs = runner.schedule.segments
+    for direction, done in program.compiled.items():
+        top = done.graph
+        segs = done.schedule.segments
         produced = {}
-        for k, n in enumerate(c for c in top.graph.nodes if c.op == "call_module"):
+        for k, n in enumerate(segment_calls(top)):
             for name in n.meta["mt_segment"]["outputs"]:
                 produced[name] = k
         saved = [0] * len(segs)
@@ -157,11 +158,9 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
                 if a.name in produced:
                     saved[produced[a.name]] += value_bytes(a.meta.get("val"))
         layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
-        per_body: dict[str, float] = {}
-        for name, body in runner.bodies.items():
-            per_body[name] = body_seconds(body, hw)
-        seconds = [per_body[name] for name in runner.body_of]
-        out[direction] = DirectionCosts(segs, seconds, layer, saved, runner.plan.peak_bytes if runner.plan else 0)
+        per_body = {name: body_seconds(body, hw) for name, body in done.bodies.items()}
+        seconds = [per_body[name] for name in done.body_of]
+        out[direction] = DirectionCosts(segs, seconds, layer, saved, done.plan.peak_bytes if done.plan else 0)
     return Capture(batch, out)
 
 

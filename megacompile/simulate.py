@@ -93,8 +93,6 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
         if not hw.overlap:
             clock["compute"] = end
-        if after_offload:
-            update_after.append((k, nbytes, end))
         return start, end
 
     def evict(k: int, nbytes: int) -> tuple[float, float]:   # instantaneous, on the compute stream
@@ -102,15 +100,13 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
 
     # one handler per schedule op (the executor and the memory plan have theirs)
     handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": grad_offload, "evict": evict}
-    update_after: list[tuple[int, int, float]] = []
     for step in steps:
         k, cost = step.segment, costs[step.segment]
         nbytes = step.nbytes or (cost.grad_bytes if step.op == "grad_offload" else 0)
         start, end = handlers[step.op](k, nbytes)
         out.append(TimedStep(step.op, step.stream, k, cost.name, nbytes, start, end))
-        for args in update_after:   # (the optimizer's update after its gradients left: listed after them)
-            update(args[0], args[1], max(clock["host"], args[2]))
-        update_after.clear()
+        if step.op == "grad_offload" and after_offload:   # (the update after its gradients left)
+            update(k, nbytes, max(clock["host"], end))
     return out
 
 

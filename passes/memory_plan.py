@@ -100,10 +100,11 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
 
 
 class _Account:
-    """Device bytes while walking a schedule program: one handler per program op."""
+    """Device bytes while walking a schedule program: one handler per program op, each freeing
+    what dies at its node (`frees`, the executor's liveness) where the executor frees it."""
 
-    def __init__(self, program: fx.GraphModule, transient: dict[str, int]):
-        self.transient = transient
+    def __init__(self, program: fx.GraphModule, transient: dict[str, int], frees: dict[int, list[str]]):
+        self.transient, self.frees = transient, frees
         self.sizes = {n.name: value_bytes(n.meta.get("val")) for n in program.graph.nodes}
         self.live = {n.name for n in program.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
         self.resident = self.peak_weights = 0
@@ -112,28 +113,31 @@ class _Account:
     def bytes(self) -> int:
         return sum(self.sizes[v] for v in self.live) + self.resident
 
-    def prefetch(self, n: fx.Node) -> None:
+    def free(self, i: int, n: fx.Node = None) -> None:
+        self.live.difference_update(self.frees.get(i, ()))
+
+    def prefetch(self, i: int, n: fx.Node) -> None:
         self.resident += n.meta[STEP].nbytes
         self.peak_weights = max(self.peak_weights, self.resident)
-        self.per_step.append(self.bytes())
+        self.step(i, n)
 
-    def evict(self, n: fx.Node) -> None:
+    def evict(self, i: int, n: fx.Node) -> None:
         self.resident -= n.meta[STEP].nbytes
-        self.per_step.append(self.bytes())
+        self.step(i, n)
 
-    def run(self, n: fx.Node) -> None:
+    def run(self, i: int, n: fx.Node) -> None:   # counted while its body runs, then its dead values go
         before = self.bytes()
         self.live.update(n.meta[SEGMENT]["outputs"])   # (its getitems: bound as it returns)
         self.per_step.append(max(before + self.transient[n.meta.get(BODY, n.target)], self.bytes()))
+        self.free(i)
 
-    def step(self, n: fx.Node) -> None:   # wait, grad_offload: what is live once it is done
+    def step(self, i: int, n: fx.Node) -> None:   # wait, grad_offload, ...: what is live once it is done
+        self.free(i)
         self.per_step.append(self.bytes())
 
-    def value(self, n: fx.Node) -> None:
+    def value(self, i: int, n: fx.Node) -> None:
         self.live.add(n.name)
-
-    def nothing(self, n: fx.Node) -> None:
-        pass
+        self.free(i)
 
 
 @graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,), uses=("device", "hardware"))
@@ -147,20 +151,10 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if name not in transient:
             transient[name] = body_transient_bytes(gm.get_submodule(name), triton)
     program = schedule.program
-    account = _Account(program, transient)
-    frees = liveness(program).frees   # (the executor frees by the same analysis)
-    handlers = {"prefetch": account.prefetch, "evict": account.evict, "run": account.run, "wait": account.step,
-                "grad_offload": account.step, "value": account.value, "output_of": account.nothing,
-                "placeholder": account.nothing, "output": account.nothing}
-
-    def counted(handler):
-        def count(i: int, n: fx.Node) -> None:
-            handler(n)
-            account.live.difference_update(frees.get(i, ()))
-            if STEP in n.meta and n.meta[STEP].op == "grad_offload":   # (counted once its gradients left)
-                account.per_step[-1] = account.bytes()
-        return count
-    walk(program, {op: counted(h) for op, h in handlers.items()})
+    account = _Account(program, transient, liveness(program).frees)   # (the executor frees by the same analysis)
+    walk(program, {"prefetch": account.prefetch, "evict": account.evict, "run": account.run, "wait": account.step,
+                   "grad_offload": account.step, "value": account.value, "output_of": account.free,
+                   "placeholder": account.free, "output": account.free})
     per_step = account.per_step
     peak_step = max(range(len(per_step)), key=lambda i: (per_step[i], -i)) if per_step else 0
     gm.meta[MEMORY_PLAN] = MemoryPlan(per_step[peak_step] if per_step else 0, peak_step, account.peak_weights,

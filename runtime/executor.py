@@ -25,7 +25,7 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, liveness, op_of, segment_calls
+from ..ir import FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, dispatch, liveness, segment_calls
 from .weight_pool import DeviceWeightPool
 
 
@@ -79,23 +79,17 @@ class DirectionRunner:
         self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
         # the program's nodes as (profiler range, handler, node, values dead after it): one table
         # of handlers; the values die by the memory plan's own analysis (ir.liveness)
-        nodes = list(self.schedule.program.graph.nodes)
-        missing = {op_of(n) for n in nodes} - set(HANDLERS)
-        if missing:
-            raise NotImplementedError(f"the {direction} program has op(s) {sorted(missing)} the executor has no "
-                                      "handler for (runtime/executor.py HANDLERS)")
         lives = liveness(self.schedule.program)
         self.offloaded = lives.offloaded
         self.ops = []
-        for i, n in enumerate(nodes):
-            op = op_of(n)
-            if op in ("placeholder", "output"):
+        for i, n, handler in dispatch(self.schedule.program, HANDLERS):
+            if n.op in ("placeholder", "output"):
                 continue
             step = n.meta.get(STEP)
             # profiler range names: megatrain.<direction>.<op>.<segment> (e.g. megatrain.forward.run.seg3)
-            label = f"megatrain.{direction}.{op}.{self.schedule.segments[step.segment].name}" if step else None
-            self.ops.append((label, HANDLERS[op], n, lives.frees.get(i, ())))
-        out = nodes[-1]
+            label = f"megatrain.{direction}.{step.op}.{self.schedule.segments[step.segment].name}" if step else None
+            self.ops.append((label, handler, n, lives.frees.get(i, ())))
+        out = next(reversed(self.schedule.program.graph.nodes))
         self.output_spec = [a.name if isinstance(a, fx.Node) else a for a in out.args[0]]
         # the grad_offload step that completes each weight's gradient in this backward (the last,
         # should several segments send a contribution): from there an optimizer armed for the
