@@ -63,13 +63,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                       is_causal=None, sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """The AttentionInterface entry: segment attention for segment ids, transformers' SDPA for a
     dense mask or None. Returns (output [b, s, h, d], None) as transformers' functions do."""
-    if (attention_mask is None or attention_mask.dim() != 2 or softcap is not None or s_aux is not None
-            or dropout > 0.0 or not getattr(module, "is_causal", True)):
-        if attention_mask is not None and attention_mask.dim() == 2:
-            raise NotImplementedError(f"megatrain segment attention: {type(module).__name__} uses softcapping, "
-                                      "attention sinks, dropout or bidirectional attention, which it does not support")
+    if attention_mask is None or attention_mask.dim() != 2:   # transformers' own dense mask (or none)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if softcap is not None or s_aux is not None or dropout > 0.0 or not getattr(module, "is_causal", True):
+        raise NotImplementedError(f"megatrain segment attention: {type(module).__name__} uses softcapping, "
+                                  "attention sinks, dropout or bidirectional attention, which it does not support")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out, _ = torch.ops.megatrain.segment_attention(query, key, value, attention_mask, int(sliding_window or 0),
                                                    float(scale))
