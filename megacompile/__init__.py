@@ -10,9 +10,9 @@ from .errors import (CannotFitError, ConfigError, GraphBreakError, MegatrainErro
                      UnsupportedModelError)
 from .options import Options
 from .runtime.store import master_weight
-from . import output_hooks
+from . import compile_start
 
-output_hooks.register()
+compile_start.register()
 
 __all__ = [
     "megatrain_backend", "stats", "Options", "master_weight",

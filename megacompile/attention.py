@@ -20,6 +20,9 @@ Masks of another kind (a VLM's bidirectional image tokens, `use_vmap`) and decod
 cache fall back to transformers' dense SDPA mask, as do modules with softcapping or attention
 sinks (their attention is not segment attention).
 
+megatrain's backend selects it itself before Dynamo traces (compile_start.py; the backend option
+`attention="transformers"` keeps the model's own); by hand:
+
     from megacompile import attention
     attention.use(model)            # before torch.compile; refuses a model it cannot run
 """
@@ -85,7 +88,7 @@ def register() -> str:
 def unsupported(model) -> str | None:
     """Why segment attention cannot run `model` (None: it can): logit softcapping (Gemma2) and
     attention sinks (GPT-OSS) change the softmax, which the segment kernel does not do yet."""
-    config = model.config.get_text_config(decoder=True)
+    config = _text_config(model)
     if getattr(config, "attn_logit_softcapping", None):
         return f"{config.model_type} softcaps its attention logits"
     if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()):
@@ -93,10 +96,53 @@ def unsupported(model) -> str | None:
     return None
 
 
-def use(model) -> None:
-    """Select segment attention for `model` (before torch.compile traces it)."""
+# implementations segment attention replaces (same semantics, no dense mask; "megatrain_estimate":
+# meta_attention.py's, for models built on the meta device); a custom one is kept
+_REPLACEABLE = (None, "eager", "sdpa", "flash_attention_2", "flash_attention_3", "megatrain_estimate", NAME)
+
+
+def _text_config(model):
+    return model.config.get_text_config(decoder=True)
+
+
+def why_not(model) -> str | None:
+    """Why segment attention would not be selected for `model` (None: it would be)."""
+    if not hasattr(model, "set_attn_implementation") or getattr(model, "config", None) is None:
+        return "not a transformers model"
     why = unsupported(model)
+    if why:
+        return why
+    config = _text_config(model)
+    if config._attn_implementation not in _REPLACEABLE:
+        return f"it uses the attention implementation {config._attn_implementation!r}"
+    if getattr(config, "output_attentions", False):
+        return "its config asks for attention weights (output_attentions)"
+    top = model.config
+    if config is not top and not any(getattr(top, k, None) is config for k in top.sub_configs):
+        return "its language config is not one of its sub-configs"
+    return None
+
+
+def select(model) -> str | None:
+    """Select segment attention for `model`'s language stack where it can run it; returns None
+    when selected, else why not (the model then keeps its attention). A vision-language model's
+    vision tower keeps its own (bidirectional, not segment) attention."""
+    why = why_not(model)
+    if why:
+        return why
+    register()
+    config, top = _text_config(model), model.config
+    model.set_attn_implementation(NAME if config is top else
+                                  {k: NAME for k in top.sub_configs if getattr(top, k, None) is config})
+    if config._attn_implementation != NAME:
+        return "transformers did not accept the implementation"
+    return None
+
+
+def use(model) -> None:
+    """Select segment attention for `model` (before torch.compile traces it); refuses a model it
+    cannot run with an UnsupportedModelError."""
+    why = select(model)
     if why:
         raise UnsupportedModelError(f"segment attention cannot run this model: {why}; keep transformers' attention "
                                     "for it")
-    model.set_attn_implementation(register())

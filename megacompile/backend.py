@@ -25,7 +25,7 @@ from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import output_hooks
+from . import compile_start
 from .capture import ModelCapture, capture_inputs
 from .options import Options
 from .ir import MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
@@ -254,8 +254,10 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     """TorchDynamo backend entry point (registered as "megatrain" via entry points). `runtime=False`
     (plan, inspect): compile to the artifacts (`Program.compiled`) without building the runtime."""
     opts = Options.from_mapping(options)   # (disable_passes checked there: check_pipelines, before any work)
-    output_hooks.register()  # again: torch._dynamo.reset() drops it
+    compile_start.register()  # again: torch._dynamo.reset() drops it
     capture, params = capture_inputs(gm, example_inputs)
+    if runtime:
+        compile_start.late(capture.root, opts.attention)
     program = Program(capture, params, opts, runtime=runtime)
     trace_inputs = example_inputs
     # fused_kernels is a no-op unless the kernels resolve to Triton, fused_lm_loss unless

@@ -79,6 +79,13 @@ def node_flops(n: fx.Node) -> int:
         flops = 4 * b_h * dim_hint(q.shape[-2]) * dim_hint(k.shape[-2]) * dim_hint(q.shape[-1])
         causal = n.args[-1] is True
         return int(flops * (2.5 if "backward" in name else 1.0) * (0.5 if causal else 1.0))
+    if "segment_attention" in name:  # attention.py: causal within a row (one segment), windowed
+        back = "backward" in name
+        q, k, v = (n.args[i + back].meta["val"] for i in range(3))
+        s, window = dim_hint(q.shape[-2]), n.args[4 + 3 * back]
+        pairs = s * s / 2 if not window or window >= s else s * window - window * window / 2
+        b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
+        return int(2 * b_h * pairs * (dim_hint(q.shape[-1]) + dim_hint(v.shape[-1])) * (2.5 if back else 1.0))
     if "grouped_mm" in name and isinstance(n.args[0], fx.Node):
         x, w = n.args[0].meta["val"], n.args[1].meta["val"]
         rows, k, out = dim_hint(x.shape[0]), dim_hint(w.shape[-2]), dim_hint(w.shape[-1])

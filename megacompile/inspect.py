@@ -33,7 +33,7 @@ import torch
 
 from .backend import Program, megatrain_backend, programs_of
 from .ir import Compiled
-from . import meta_attention
+from . import attention, meta_attention
 from .cost_model import body_cost, optimizer_seconds
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
@@ -104,6 +104,7 @@ def build_model_from_config(config, layers: int | None, dtype: torch.dtype):
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):  # fused attention, as the real kernels (see meta_attention.py)
         model = auto.from_config(config, dtype=dtype, attn_implementation=meta_attention.register())
+    attention.select(model)   # segment attention where a real run selects it (compile_start.py)
     return model.train()
 
 
@@ -176,8 +177,8 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()
-    from . import output_hooks
-    output_hooks.register()   # (reset drops Dynamo's callbacks; a later real compile needs this one)
+    from . import compile_start, output_hooks
+    compile_start.register()   # (reset drops Dynamo's callbacks; a later real compile needs this one)
     output_hooks.install_requested_hooks(model)   # router logits etc. asked by the config (this backend
                                                   # is not "megatrain", which the callback looks for)
     compiled = torch.compile(model, backend=capture)

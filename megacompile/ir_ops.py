@@ -224,8 +224,12 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @segment_attention.register_fake
-def _(q, k, v, seg, window, scale):   # (the output has V's head size: MLA's differs from Q's)
-    return q.new_empty((*q.shape[:-1], v.shape[-1])), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+def _(q, k, v, seg, window, scale):
+    # the output has V's head size (MLA's differs from Q's), laid out [b, s, h, dv] in memory:
+    # the attention module's transpose back to [b, s, h, dv] is then free
+    b, h, s, _ = q.shape
+    out = q.new_empty((b, s, h, v.shape[-1])).transpose(1, 2)
+    return out, q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
 
 
 @torch.library.custom_op("megatrain::segment_attention_backward", mutates_args=())
@@ -235,8 +239,8 @@ def segment_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
 
 
 @segment_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, seg, window, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _(dout, q, k, v, out, lse, seg, window, scale):   # (each gradient in its input's layout)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _seg_setup(ctx, inputs, output):

@@ -58,6 +58,8 @@ _CHOICES = {
     "kernels": {"auto": "Triton kernels on CUDA", "triton": None, "none": None},
     "logits": {"keep": "return the logits", "drop": "fused LM head + loss, logits=None in the output"},
     "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
+    "attention": {"segments": "no seq x seq mask; transformers' attention where it cannot run",
+                  "transformers": "the model's own attention implementation, as set"},
 }
 
 
@@ -211,6 +213,11 @@ class Options:
     #: slot buffer (runtime/host_arena.py): one copy per fetch, and on CUDA one pinned
     #: registration per layer kind instead of pinning every tensor. False: per-tensor (bisecting).
     host_arena: bool = True
+    #: "segments": select megatrain's segment attention (megacompile/attention.py) before Dynamo
+    #: traces the model, so padding and packed documents never build a [batch, seq, seq] mask;
+    #: models it cannot run (logit softcapping, attention sinks) keep their own attention.
+    #: "transformers": keep the implementation the model was loaded with.
+    attention: str = "segments"
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

@@ -3,8 +3,8 @@
 transformers collects router logits (the MoE load-balancing loss), hidden states and attentions
 with forward hooks that it registers on the first call asking for them. Dynamo cannot trace that
 registration (`register_forward_hook` breaks the graph), so a model whose config enables
-`output_router_logits` would split into several graphs on its first compiled call. A Dynamo
-compile-start callback installs those hooks first, for models compiled with
+`output_router_logits` would split into several graphs on its first compiled call. The Dynamo
+compile-start callback (compile_start.py) installs those hooks first, for models compiled with
 `backend="megatrain"` whose config asks for any captured output; the graph then holds the hooks
 like any other module code and the auxiliary loss trains as in eager mode.
 
@@ -17,20 +17,6 @@ after another `torch._dynamo.reset()` the next call compiles as one graph).
 from __future__ import annotations
 
 import torch
-
-from .capture import outermost_compiled_module
-
-def _backend_name(compiled) -> str | None:
-    """The backend name torch.compile was given (Dynamo wraps it in a few layers)."""
-    obj = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
-    for _ in range(8):
-        if obj is None:
-            return None
-        name = getattr(obj, "compiler_name", None)
-        if isinstance(name, str):
-            return name
-        obj = getattr(obj, "_torchdynamo_orig_backend", None)
-    return None
 
 
 def install_requested_hooks(model: torch.nn.Module) -> int:
@@ -48,17 +34,3 @@ def install_requested_hooks(model: torch.nn.Module) -> int:
             maybe_install_capturing_hooks(module)  # (a no-op when installed)
             count += 1
     return count
-
-
-def _on_compile_start(_args) -> None:
-    compiled = outermost_compiled_module()
-    if compiled is not None and _backend_name(compiled) == "megatrain":
-        install_requested_hooks(compiled._orig_mod)
-
-
-def register() -> None:
-    """Register the compile-start callback if it is not registered. `torch._dynamo.reset()`
-    clears Dynamo's callbacks, so this runs on import of megacompile and again in the backend."""
-    handler = getattr(torch._dynamo, "callback_handler", None)
-    if handler is not None and _on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_compile_start)

@@ -92,7 +92,7 @@ def _triton_interpreter_only_where_asked(request, monkeypatch):
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
     torch._dynamo.reset()
-    megacompile.output_hooks.register()  # reset() drops Dynamo's compile-start callbacks
+    megacompile.compile_start.register()  # reset() drops Dynamo's compile-start callbacks
     yield
     torch._dynamo.reset()
 

@@ -63,7 +63,7 @@ def test_cuda_optimizer_during_the_backward_is_exact():
     runs = {}
     for overlap in (False, "backward"):
         torch._dynamo.reset()
-        megacompile.output_hooks.register()   # (reset drops it)
+        megacompile.compile_start.register()   # (reset drops it)
         model = tiny_model("llama", layers=4, dtype=torch.bfloat16)
         # eager bodies: lowering="auto" picks eager or Inductor per body by timing, which could
         # differ between the two runs and round differently

@@ -36,7 +36,7 @@ def build(model_type: str, dtype=torch.float32, **extra):
 
 def fresh():
     torch._dynamo.reset()
-    megacompile.output_hooks.register()  # reset() drops Dynamo's compile-start callbacks
+    megacompile.compile_start.register()  # reset() drops Dynamo's compile-start callbacks
 
 
 def fused_count(model) -> int:

@@ -101,7 +101,7 @@ def test_identical_layers_still_share_bodies():
     counts = []
     for layers in (3, 6):
         torch._dynamo.reset()
-        megacompile.output_hooks.register()
+        megacompile.compile_start.register()
         model = with_lora(tiny_model("llama", layers=layers), lora_target="q_proj,v_proj")
         cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
         ids, _, labels = batch(2, 8)

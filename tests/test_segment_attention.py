@@ -5,6 +5,8 @@ and the gradients of q, k, v, for padding, packed documents, holes, sliding wind
 grouped-query heads; a padding query's output is zero."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -79,6 +81,81 @@ def test_segment_attention_over_random_layouts(docs, left, right, window, kv_hea
     check(ids(row), window, kv_heads=kv_heads, seed=seed)
 
 
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, window_size_left,
+                     window_size_right):
+    """torch's varlen flash attention's contract on packed [T, h, d] tokens, in math (the CPU has
+    no flash kernel): causal within each cu_seqlens run, a left window in packed positions,
+    K/V heads shared by groups of query heads; returns (out, lse [h, T], ...)."""
+    out, lse = torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]))
+    groups = q.shape[1] // k.shape[1]
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+        ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
+        i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
+        allowed = (j <= i) & ((i - j) <= window_size_left if window_size_left >= 0 else True)
+        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+        out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1)
+        lse[:, a:b] = scores.logsumexp(-1)
+    return out, lse, None, None, None
+
+
+def _varlen_backward_stand_in(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *,
+                              scale, window_size_left, window_size_right):
+    with torch.enable_grad():
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q, k, v))
+        o = _varlen_stand_in(q_, k_, v_, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale,
+                             window_size_left=window_size_left, window_size_right=window_size_right)[0]
+        return torch.autograd.grad(o, (q_, k_, v_), dout)
+
+
+@pytest.mark.parametrize("seg,window,dv", [
+    (ids([0] * 12, [-1, -1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]), 0, None),   # padding, packing, rows differ
+    (ids([-1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1], [0] * 12), 3, None),    # windows
+    (ids([-1, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, -1]), 0, 12),               # MLA: V's head size differs
+    (ids([-1] * 12), 0, None),                                           # nothing to attend
+])
+def test_cuda_kernel_packing_on_the_cpu(monkeypatch, seg, window, dv):
+    """The CUDA kernel's packing (valid tokens gathered into cu_seqlens runs, head sizes padded to
+    multiples of 8, outputs, lse and gradients scattered back in the op's layouts), run on the
+    CPU around a math stand-in of torch's varlen flash op: the dense mask's results."""
+    from megacompile.runtime.kernels import segment_attention_cuda as cuda_kernel
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _varlen_stand_in)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", _varlen_backward_stand_in)
+    g = torch.Generator().manual_seed(3)
+    b, s = seg.shape
+    q = torch.randn(b, s, 4, 8, generator=g, dtype=torch.float64).transpose(1, 2)   # (HF's layout)
+    k = torch.randn(b, s, 2, 8, generator=g, dtype=torch.float64).transpose(1, 2)
+    v = torch.randn(b, 2, s, dv or 8, generator=g, dtype=torch.float64)
+    out, lse = cuda_kernel._flash_forward(q, k, v, seg, window, 0.3)
+    ref_out, ref_lse = torch.ops.megatrain.segment_attention(q, k, v, seg, window, 0.3)
+    torch.testing.assert_close(out, ref_out)
+    assert out.stride() == ref_out.stride()
+    valid = (seg >= 0)[:, None, :].expand_as(lse)
+    torch.testing.assert_close(lse[valid].double(), ref_lse[valid])   # (flash's lse is fp32: bf16 inputs)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = cuda_kernel._flash_backward(dout, q, k, v, out, lse, seg, window, 0.3)
+    want = torch.ops.megatrain.segment_attention_backward(dout, q, k, v, ref_out, ref_lse, seg, window, 0.3)
+    for a, e, name in zip(got, want, "qkv"):
+        torch.testing.assert_close(a, e, msg=f"d{name}")
+        assert a.stride() == e.stride(), name
+
+
+def test_cuda_fallback_tiles_backward_on_the_cpu():
+    """The CUDA fallback's backward (each tile's forward recomputed under autograd through the
+    public SDPA), run on the CPU: the CPU kernel's gradients."""
+    from megacompile.runtime.kernels import segment_attention as tiles_kernel
+    from megacompile.runtime.kernels import segment_attention_cuda as cuda_kernel
+    g = torch.Generator().manual_seed(4)
+    seg = ids([-1, 0, 0, -1, 0, 0, 1, 1, 1, 1, 1, 1])
+    q, k, v = (torch.randn(1, h, 12, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    out, lse = torch.ops.megatrain.segment_attention(q, k, v, seg, 2, 0.3)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got = tiles_kernel.tiled_backward(dout, q, k, v, out, lse, seg, 2, 0.3, cuda_kernel._tile_backward)
+    want = torch.ops.megatrain.segment_attention_backward(dout, q, k, v, out, lse, seg, 2, 0.3)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+
+
 def test_its_graph_holds_no_seq_by_seq_tensor():
     """Traced, the op is one node with O(s) outputs: the fake shapes hold no [s, s] value."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -136,47 +213,81 @@ def test_segment_attention_model_equals_transformers_sdpa(layout):
         torch.testing.assert_close(got.logits[0:1], alone, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_with_segment_attention_no_value_is_seq_by_seq():
-    """Through megatrain's backend, left-padded: the loss and gradients of eager transformers, and
-    no value of any compiled body has two dimensions equal to the sequence length (the dense
-    mask path has several: checked on the same model with transformers' SDPA)."""
+def _quadratic(model) -> list[str]:
+    """Values of the model's compiled graphs and bodies with two dimensions equal to S."""
     from megacompile.backend import programs_of
+    found = []
+    for program in programs_of(model):
+        for done in program.compiled.values():
+            for gm in [done.graph, *done.bodies.values()]:
+                for n in gm.graph.nodes:
+                    val = n.meta.get("val")
+                    if isinstance(val, torch.Tensor) and sum(int(d) == S for d in val.shape) >= 2:
+                        found.append(f"{n.name} {tuple(val.shape)}")
+    return found
 
-    def quadratic(model) -> list[str]:
-        found = []
-        for program in programs_of(model):
-            for done in program.compiled.values():
-                graphs = [done.graph, *done.bodies.values()]
-                for gm in graphs:
-                    for n in gm.graph.nodes:
-                        val = n.meta.get("val")
-                        if isinstance(val, torch.Tensor) and sum(int(d) == S for d in val.shape) >= 2:
-                            found.append(f"{n.name} {tuple(val.shape)}")
-        return found
 
+def test_the_backend_selects_segment_attention_itself():
+    """torch.compile(model, backend="megatrain") on an unmodified model, left-padded: the backend
+    selects segment attention before Dynamo traces, so no value of any compiled body has two
+    dimensions equal to the sequence length, with eager transformers' loss and gradients; the
+    option attention="transformers" keeps the model's SDPA and its dense mask (the check is live)."""
+    import copy
+
+    from conftest import tiny_model
     ids, layouts = _layouts()
     kw = layouts["left"]
     labels = ids.masked_fill(kw["attention_mask"] == 0, -100)
-    losses = {}
-    for name, model in zip(("ref", "ours"), _pair()):
+    base = tiny_model("llama", layers=2)
+    results = {}
+    for choice in ("transformers", "segments"):
+        model = copy.deepcopy(base)
         torch._dynamo.reset()
-        eager_loss = model(ids, labels=labels, use_cache=False, **kw).loss.item()
+        megacompile.compile_start.register()   # (reset drops Dynamo's compile-start callbacks)
+        want = model(ids, labels=labels, use_cache=False, **kw).loss.item()
         model.zero_grad()
-        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "attention": choice})
         loss = cmodel(input_ids=ids, labels=labels, use_cache=False, **kw).loss
         loss.backward()
-        losses[name] = (eager_loss, loss.item(), quadratic(model))
-    assert losses["ref"][2], "the dense-mask path should show seq x seq values (the check is live)"
-    assert losses["ours"][2] == [], losses["ours"][2]
-    assert losses["ours"][1] == pytest.approx(losses["ours"][0], rel=1e-5)
-    assert losses["ours"][1] == pytest.approx(losses["ref"][1], rel=1e-5)
+        results[choice] = (want, loss.item(), _quadratic(model), model.config._attn_implementation)
+    assert results["transformers"][2], "the dense-mask path should show seq x seq values (the check is live)"
+    assert results["transformers"][3] == "sdpa"
+    assert results["segments"][2] == [], results["segments"][2]
+    assert results["segments"][3] == "megatrain_segment"
+    assert results["segments"][1] == pytest.approx(results["segments"][0], rel=1e-5)
+    assert results["segments"][1] == pytest.approx(results["transformers"][1], rel=1e-5)
+
+
+def test_a_compile_right_after_a_dynamo_reset_says_what_it_missed(caplog):
+    """torch._dynamo.reset() drops the compile-start callback: the graph keeps transformers'
+    attention, and the backend says so and what to call."""
+    import logging
+
+    from conftest import batch, tiny_model
+    model = tiny_model("llama", layers=2)
+    ids, mask, labels = batch(2, 8, seed=0, pad_left=2)
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="megacompile.compile_start"):
+        cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    assert "megacompile.compile_start.register() after torch._dynamo.reset()" in caplog.text
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_attention_option_is_checked():
+    from megacompile.errors import ConfigError
+    from megacompile.options import Options
+    with pytest.raises(ConfigError, match="option attention='flash'.*'segments'.*'transformers'"):
+        Options.from_mapping({"attention": "flash"})
 
 
 @pytest.mark.parametrize("family", sorted(__import__("families").FAMILIES))
-def test_every_family_trains_through_segment_attention(family):
-    """The family matrix with segment attention, left-padded, through megatrain's backend: the
-    loss and gradients of eager transformers; the two it cannot run are refused by name."""
+def test_every_family_trains_through_segment_attention(family, caplog):
+    """The family matrix through megatrain's backend with the attention it selects itself,
+    left-padded: the loss and gradients of eager transformers; segment attention for every
+    family but the two it cannot run (softcapping, sinks), which keep theirs and say why."""
     import copy
+    import logging
 
     from families import tiny_family_model
     from conftest import batch
@@ -184,18 +295,46 @@ def test_every_family_trains_through_segment_attention(family):
     from megacompile.errors import UnsupportedModelError
     ref = tiny_family_model(family)
     ours = copy.deepcopy(ref)
-    if family in ("gemma2", "gpt_oss"):
-        with pytest.raises(UnsupportedModelError, match="softcaps|sinks"):
-            attention.use(ours)
-        return
-    attention.use(ours)
     ids, mask, labels = batch(2, 8, seed=0, pad_left=2)
     want = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
     want.backward()
-    cmodel = torch.compile(ours, backend="megatrain", options={"device": "cpu"})
-    got = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    torch._dynamo.reset()
+    megacompile.compile_start.register()
+    with caplog.at_level(logging.INFO, logger="megacompile.compile_start"):
+        cmodel = torch.compile(ours, backend="megatrain", options={"device": "cpu"})
+        got = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
     got.backward()
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
     for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+    implementation = ours.config.get_text_config(decoder=True)._attn_implementation
+    if family in ("gemma2", "gpt_oss"):
+        assert implementation != attention.NAME
+        assert re.search("keeps transformers' attention .*(softcaps|sinks)", caplog.text), caplog.text
+        with pytest.raises(UnsupportedModelError, match="softcaps|sinks"):
+            attention.use(ours)
+    else:
+        assert implementation == attention.NAME
+
+
+@pytest.mark.parametrize("preset,seq", [("llama-3-8b", 65537), ("qwen2.5-7b", 32771)])
+def test_plans_hold_no_seq_by_seq_value_at_long_sequences(preset, seq):
+    """`inspect`/`plan` capture the model on the meta device with the attention a real run
+    selects: at 64K tokens no planned value of any graph or body has two dimensions equal to the
+    sequence (the dense mask was 4 GiB per bool copy there), and the prologue's transient is
+    O(seq) (was 12 GiB for three mask tensors)."""
+    from megacompile.inspect import build_meta_model, capture_program
+    model, _ = build_meta_model(preset, 2, torch.bfloat16)
+    program = capture_program(model, 1, seq, 2)
+    found = []
+    for done in program.compiled.values():
+        for gm in [done.graph, *done.bodies.values()]:
+            for n in gm.graph.nodes:
+                val = n.meta.get("val")
+                if isinstance(val, torch.Tensor) and sum(int(d) == seq for d in val.shape) >= 2:
+                    found.append(f"{n.name} {tuple(val.shape)}")
+    assert found == []
+    prologue = program.compiled["forward"].body(0)
+    assert program.compiled["forward"].plan.transient[program.compiled["forward"].body_of[0]] < 64 * seq * 64, \
+        prologue.graph

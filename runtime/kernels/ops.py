@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ...ir_ops import linear_cross_entropy, rms_norm, rms_norm_backward, swiglu, swiglu_backward, triton_runs
-from . import segment_attention  # noqa: F401  (its CPU kernel)
+from . import segment_attention, segment_attention_cuda  # noqa: F401  (their kernels)
 
 DEVICES = ("cpu", "cuda")
 

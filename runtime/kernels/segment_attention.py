@@ -1,26 +1,35 @@
-"""The CPU kernel of `megatrain::segment_attention` (megacompile/ir_ops.py): causal attention
-within the segments of each row, from int32 segment ids, never a [s, s] mask.
+"""Kernels of `megatrain::segment_attention` (megacompile/ir_ops.py) that work tile by tile:
+causal attention within the segments of each row, from int32 segment ids, never a [s, s] mask.
 
     row:  seg = [-1, -1, 0, 0, 0, 1, 1, 1, 1]     (left padding, then two packed documents)
     tiles:      q = k = tokens 2..4  (causal)     q = k = tokens 5..8  (causal)
 
-Each tile is one call of torch's flash attention for the CPU (`is_causal`, its own backward)
-on the gathered tokens of one segment, so memory stays O(tile x d); a windowed segment longer
-than the window is cut into query blocks of `window` tokens against their band of keys (a
+Each tile is one call of a fused attention kernel on the gathered tokens of one segment
+(`is_causal`, its own backward), so memory stays O(tile x d); a windowed segment longer than the
+window is cut into query blocks of `window` tokens against their band of keys (a
 [window, 2 x window] band mask). Grouped-query attention expands K/V per tile and sums their
-gradients back. The segment boundaries are read on the host once per call (one [b, s] copy).
+gradients back. The CPU kernel is torch's flash attention for the CPU; CUDA's fallback tiles
+(segment_attention_cuda.py) use the same loop. The host reads the segment ids once per tensor:
+the tiles are memoized on the `seg` tensor itself (every layer, forward and backward, reads the
+same prologue tensor), keyed by its version and the window.
+
+Layouts: the output is [b, h, s, dv] viewed from a [b, s, h, dv] buffer (what the attention
+module transposes back to, for free); gradients have their inputs' layouts.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from ...ir_ops import lse_dtype, segment_attention, segment_attention_backward
 
+Tile = tuple[int, Tensor, Tensor, "Tensor | None"]
 
-def tiles(seg: Tensor, window: int):
-    """(row, query token indices, key token indices, band mask or None) over each segment's
-    valid tokens; causal among them; banded query blocks where a window cuts the segment."""
+
+def _tiles(seg: Tensor, window: int) -> list[Tile]:
+    out = []
     for b, row in enumerate(seg.cpu()):
         valid = (row >= 0).nonzero().flatten()
         if valid.numel() == 0:
@@ -28,58 +37,84 @@ def tiles(seg: Tensor, window: int):
         _, counts = torch.unique_consecutive(row[valid], return_counts=True)
         for toks in valid.split(counts.tolist()):
             if window <= 0 or int(toks[-1] - toks[0]) < window:
-                yield b, toks, toks, None
+                out.append((b, toks, toks, None))
                 continue
             for start in range(0, toks.numel(), window):
                 q = toks[start:start + window]
                 k = toks[(toks > q[0] - window) & (toks <= q[-1])]
-                yield b, q, k, (k[None, :] <= q[:, None]) & (k[None, :] > q[:, None] - window)
+                out.append((b, q, k, (k[None, :] <= q[:, None]) & (k[None, :] > q[:, None] - window)))
+    return out
 
 
-def _additive(band: Tensor | None, dtype: torch.dtype) -> Tensor | None:
-    return None if band is None else torch.zeros(band.shape, dtype=dtype).masked_fill_(~band, float("-inf"))
+def memoized(seg: Tensor, key, build: Callable[[], object]):
+    """`build()` cached on the `seg` tensor object under `key` and seg's version (an in-place
+    change of the ids rebuilds it); dies with the tensor."""
+    cache = getattr(seg, "_megatrain_layouts", None)
+    if cache is None or cache[0] != seg._version:
+        cache = (seg._version, {})
+        seg._megatrain_layouts = cache
+    if key not in cache[1]:
+        cache[1][key] = build()
+    return cache[1][key]
 
 
-def _padded(*tensors: Tensor, size: int) -> list[Tensor]:
-    """Zero-padded to head size `size`: torch's CPU flash attention wants one head size for Q, K
-    and V (MLA's V differs). Exact: zero columns of Q and K add nothing to the scores (the scale
-    is explicit), zero columns of V give zero output columns, dropped afterwards."""
+def tiles(seg: Tensor, window: int) -> list[Tile]:
+    """(row, query token indices, key token indices, band mask or None) over each segment's
+    valid tokens (host tensors); causal among them; banded query blocks where a window cuts it."""
+    return memoized(seg, ("tiles", window), lambda: _tiles(seg, window))
+
+
+def additive(band: Tensor | None, dtype: torch.dtype, device=None) -> Tensor | None:
+    if band is None:
+        return None
+    return torch.zeros(band.shape, dtype=dtype).masked_fill_(~band, float("-inf")).to(device)
+
+
+def padded(*tensors: Tensor, size: int) -> list[Tensor]:
+    """Zero-padded to head size `size`: fused kernels want one head size for Q, K and V (MLA's V
+    differs). Exact: zero columns of Q and K add nothing to the scores (the scale is explicit),
+    zero columns of V give zero output columns, dropped afterwards."""
     return [t if t.shape[-1] == size else torch.nn.functional.pad(t, (0, size - t.shape[-1])) for t in tensors]
 
 
-def _expand(q: Tensor, k: Tensor):
+def expander(q: Tensor, k: Tensor):
     groups = q.shape[1] // k.shape[1]
     return (lambda t: t.repeat_interleave(groups, dim=1)) if groups > 1 else (lambda t: t), groups
 
 
-@segment_attention.register_kernel("cpu")
-def _forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float):
+def new_output(q: Tensor, v: Tensor) -> Tensor:
+    """The op's output buffer: [b, h, s, dv] over [b, s, h, dv] memory (the fake's layout)."""
+    b, h, s, _ = q.shape
+    return q.new_zeros((b, s, h, v.shape[-1])).transpose(1, 2)
+
+
+# A tile kernel pair: forward(q, k, v, causal, bias, scale) -> (out, lse) on [1, h, n, d] tiles;
+# backward(dout, q, k, v, out, lse, causal, bias, scale) -> (dq, dk, dv).
+def tiled_forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float, forward):
     dv = v.shape[-1]
-    out = q.new_zeros((*q.shape[:-1], dv))
-    lse = torch.zeros(q.shape[:-1], dtype=lse_dtype(q.dtype))
-    expand, _ = _expand(q, k)
-    qp, kp, vp = _padded(q, k, v, size=max(q.shape[-1], dv))
+    out = new_output(q, v)
+    lse = torch.zeros(q.shape[:-1], dtype=lse_dtype(q.dtype), device=q.device)
+    expand, _ = expander(q, k)
+    qp, kp, vp = padded(q, k, v, size=max(q.shape[-1], dv))
     for b, qi, ki, band in tiles(seg, window):
-        o, lse_tile = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki]), 0.0, band is None,
-            attn_mask=_additive(band, q.dtype), scale=scale)
+        qi, ki = qi.to(q.device), ki.to(q.device)
+        o, lse_tile = forward(qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki]),
+                              band is None, additive(band, q.dtype, q.device), scale)
         out[b:b + 1, :, qi] = o[..., :dv]
-        lse[b:b + 1, :, qi] = lse_tile
+        lse[b:b + 1, :, qi] = lse_tile[..., :qi.numel()].to(lse.dtype)
     return out, lse
 
 
-@segment_attention_backward.register_kernel("cpu")
-def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor, window: int,
-              scale: float):
+def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor,
+                   window: int, scale: float, backward):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    expand, groups = _expand(q, k)
-    size = max(q.shape[-1], v.shape[-1])
-    qp, kp, vp, outp, doutp = _padded(q, k, v, out, dout, size=size)
+    expand, groups = expander(q, k)
+    qp, kp, vp, outp, doutp = padded(q, k, v, out, dout, size=max(q.shape[-1], v.shape[-1]))
     for b, qi, ki, band in tiles(seg, window):
-        gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            doutp[b:b + 1, :, qi].contiguous(), qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]),
-            expand(vp[b:b + 1, :, ki]), outp[b:b + 1, :, qi], lse[b:b + 1, :, qi], 0.0, band is None,
-            attn_mask=_additive(band, q.dtype), scale=scale)
+        qi, ki = qi.to(q.device), ki.to(q.device)
+        gq, gk, gv = backward(doutp[b:b + 1, :, qi].contiguous(), qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]),
+                              expand(vp[b:b + 1, :, ki]), outp[b:b + 1, :, qi], lse[b:b + 1, :, qi], band is None,
+                              additive(band, q.dtype, q.device), scale)
         gq, gk, gv = gq[..., :q.shape[-1]], gk[..., :k.shape[-1]], gv[..., :v.shape[-1]]
         if groups > 1:   # (the expanded K/V's gradients summed back per K/V head)
             gk = gk.unflatten(1, (k.shape[1], groups)).sum(2)
@@ -88,3 +123,24 @@ def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: T
         dk[b:b + 1, :, ki] += gk
         dv[b:b + 1, :, ki] += gv
     return dq, dk, dv
+
+
+def _cpu_forward(q, k, v, causal, bias, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                      scale=scale)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, bias, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+
+
+@segment_attention.register_kernel("cpu")
+def _forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float):
+    return tiled_forward(q, k, v, seg, window, scale, _cpu_forward)
+
+
+@segment_attention_backward.register_kernel("cpu")
+def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor, window: int,
+              scale: float):
+    return tiled_backward(dout, q, k, v, out, lse, seg, window, scale, _cpu_backward)
