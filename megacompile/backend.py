@@ -28,13 +28,14 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from . import compile_start
 from .capture import ModelCapture, capture_inputs
 from .options import Options
-from .ir import MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
+from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
 from .passes import PassContext, check_pipeline, run_pipeline
 from .passes.dedupe_bodies import dedupe_bodies
 from .passes.fused_kernels import fused_kernels
 from .passes.fused_lm_loss import fused_lm_loss
 from .passes.layer_regions import layer_regions
 from .passes.memory_plan import check_budget, memory_plan
+from .passes.offload_checkpoints import offload_checkpoints
 from .passes.recompute_boundaries import recompute_boundaries
 from .passes.retarget_device import retarget_device
 from .passes.routed_experts import routed_experts
@@ -46,6 +47,7 @@ from .passes.unshare_weight_views import unshare_weight_views
 from .runtime import store
 from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
 from .runtime.executor import DirectionRunner
+from .runtime.checkpoints import CheckpointMover
 from .runtime.grad_offload import GradOffloader
 from .runtime.weight_pool import DeviceWeightPool
 
@@ -53,7 +55,7 @@ from .runtime.weight_pool import DeviceWeightPool
 DYNAMO_PASSES = [fused_kernels, fused_lm_loss, retarget_device]
 JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
-                    schedule, memory_plan]
+                    schedule, offload_checkpoints, memory_plan]
 
 
 def check_pipelines(disabled: tuple[str, ...]) -> None:
@@ -92,6 +94,7 @@ class Program:
             self.entries = self._subscribe(store.register(params, names, pin=False))
             self.arena_rows: dict | None = None   # flat index -> host arena row, built at the first forward
             self.pool = DeviceWeightPool(device, options.slots)
+            self.checkpoints = CheckpointMover(device)
         self.hardware = options.hardware_profile()
         self.pass_records: dict[str, list] = {}
         self.lowering_records: dict[str, dict] = {}   # direction -> body -> eager | inductor, and why
@@ -154,12 +157,22 @@ class Program:
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
         ctx = self.context("joint")
         budget = self.options.device_budget_bytes
-        if ctx.recompute == "selective" and budget is not None:
-            # what selective recompute may keep is what the layer-boundary schedule leaves free
-            ctx.selective_bytes = max(0, budget - self._layer_boundary_peak(joint, joint_inputs, **kwargs))
+        offload = self.options.offload_checkpoints
+        if budget is not None and (ctx.recompute == "selective" or offload == "auto"):
+            peak = self._layer_boundary_peak(joint, joint_inputs, **kwargs)
+            if offload == "auto":   # only when the step would not fit with its checkpoints on the device
+                offload = "always" if peak > budget else "never"
+            if ctx.recompute == "selective":
+                # what selective recompute may keep is what the layer-boundary schedule leaves free
+                # (nothing when even that needs its checkpoints on the host)
+                ctx.selective_bytes = max(0, budget - peak) if offload != "always" else 0
+        offload = "never" if offload == "auto" else offload
         joint = run_pipeline(joint, JOINT_PASSES, ctx)
         self.pass_records["joint"] = ctx.records
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        if offload == "always":
+            mark_checkpoints(fw, bw)
+        return fw, bw
 
     def _layer_boundary_peak(self, joint: fx.GraphModule, joint_inputs, **kwargs) -> int:
         """Planned peak device bytes of the step with layer-boundary recomputation only (a trial
@@ -243,6 +256,30 @@ class Program:
             # stacked expert weights whose rows are fetched by routing (options routed_experts)
             "routed_weights": len({i for seg in fw.schedule.segments for i in seg.routed}) if fw else 0,
         }
+
+
+def mark_checkpoints(fw: fx.GraphModule, bw: fx.GraphModule) -> None:
+    """Mark the layer checkpoints of a partitioned step (passes/offload_checkpoints.py moves
+    them): the saved values the embedding and the decoder layers but the last compute (GROUP 0
+    .. the last layer - 1); not the prologue's tables (every layer
+    reads them) nor the last layer's or the head's (the backward starts with them). The
+    partitioner names each backward placeholder of a saved value after its forward node."""
+    out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
+    outputs = list(out.args[0])
+    groups = [n.meta.get(GROUP) for n in fw.graph.nodes if isinstance(n.meta.get(GROUP), int)]
+    head = max(groups, default=-1)
+    saved = {n.name: i for i, n in enumerate(n for n in bw.graph.nodes if n.op == "placeholder")}
+    fw_pos, bw_pos = set(), set()
+    for p, v in enumerate(outputs):
+        if not isinstance(v, fx.Node) or v.name not in saved or v.op == "placeholder":
+            continue
+        val, group = v.meta.get("val"), v.meta.get(GROUP)
+        if not isinstance(val, torch.Tensor) or not isinstance(group, int) or not 0 <= group < head - 1:
+            continue   # (group head - 1: the last layer's output, the head's input, read first by the backward)
+        fw_pos.add(p)
+        bw_pos.add(saved[v.name])
+    if fw_pos:
+        fw.meta[CHECKPOINTS], bw.meta[CHECKPOINTS] = frozenset(fw_pos), frozenset(bw_pos)
 
 
 def _compile_only(*_args):

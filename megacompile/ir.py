@@ -65,6 +65,9 @@ FUSED_LM_LOSS = _key("mt_fused_lm_loss", "node", "the fused LM head + loss op an
 # graph-level results ---------------------------------------------------------------------
 SCHEDULE = _key("mt_schedule", "graph", "direction graph -> Schedule (when weights and gradients move)")
 MEMORY_PLAN = _key("mt_memory_plan", "graph", "direction graph -> MemoryPlan (device bytes at every step)")
+CHECKPOINTS = _key("mt_checkpoints", "graph", "forward graph -> output positions of the layer checkpoints to keep "
+                   "on the host; backward graph -> their placeholder positions (set when the joint graph is "
+                   "partitioned)")
 
 #: what runtime/executor.py reads from a direction graph (SEGMENT, FLAT_INDEX and WEIGHT_GROUP
 #: tags, the schedule); BODY and MEMORY_PLAN are read when present
@@ -74,7 +77,7 @@ RUNTIME_READS = (SEGMENT, FLAT_INDEX, WEIGHT_GROUP, SCHEDULE)
 # the schedule ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Step:
-    op: str          # "prefetch" | "wait" | "run" | "evict" | "grad_offload"
+    op: str          # "prefetch" | "wait" | "run" | "evict" | "grad_offload" | "offload" | "reload"
     stream: str      # "h2d" | "compute" | "d2h"
     segment: int     # index into Schedule.segments
     nbytes: int = 0
@@ -160,15 +163,44 @@ for _op in (prefetch, wait, evict, grad_offload):
     _op.register_fake(lambda *args: None)
     fx.node.has_side_effect(_op._opoverload)
 
+
+@torch.library.custom_op("megatrain::offload", mutates_args=())
+def offload(segment: int, value: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device value the backward needs (the d2h stream; pinned on CUDA): the
+    device copy dies after its last reader in this direction."""
+    _handled_by_runtime()
+
+
+@torch.library.custom_op("megatrain::reload", mutates_args=())
+def reload(segment: int, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A device copy of an offloaded host value (the h2d stream), for the run of `segment`,
+    which waits for it."""
+    _handled_by_runtime()
+
+
+@offload.register_fake
+def _(segment, value):
+    return torch.empty_like(value, device="cpu")
+
+
+@reload.register_fake
+def _(segment, value, device):
+    return torch.empty_like(value, device=device)
+
+
+for _op in (offload, reload):
+    fx.node.has_side_effect(_op._opoverload)
+
 #: schedule op name -> its torch op (program nodes call these)
 SCHEDULE_OPS = {"prefetch": torch.ops.megatrain.prefetch.default, "wait": torch.ops.megatrain.wait.default,
-                "evict": torch.ops.megatrain.evict.default, "grad_offload": torch.ops.megatrain.grad_offload.default}
+                "evict": torch.ops.megatrain.evict.default, "grad_offload": torch.ops.megatrain.grad_offload.default,
+                "offload": torch.ops.megatrain.offload.default, "reload": torch.ops.megatrain.reload.default}
 STEP = _key("mt_step", "node", "schedule program node -> its Step (schedule ops and segment runs)")
 
 
 def op_of(node: fx.Node) -> str:
     """What a program node is, for a table of per-op handlers: a schedule op ("prefetch",
-    "wait", "evict", "grad_offload"), "run" (a segment's body), "output_of" (an element of a
+    "wait", "evict", "grad_offload", "offload", "reload"), "run" (a segment's body), "output_of" (an element of a
     body's result, bound when the body ran), "value" (any other op), "placeholder" or "output"."""
     step = node.meta.get(STEP)
     if step is not None:
@@ -178,6 +210,17 @@ def op_of(node: fx.Node) -> str:
     if node.op == "call_function" and node.target is operator.getitem and STEP in node.args[0].meta:
         return "output_of"
     return "value"
+
+
+def host_values(program: fx.GraphModule) -> set[str]:
+    """The values of a program that live on the host, not the device: offloaded copies, and
+    placeholders read only by reloads (the forward's offloaded checkpoints, as the backward
+    receives them)."""
+    nodes = program.graph.nodes
+    made = {n.name for n in nodes if op_of(n) == "offload"}
+    read = {n.name for n in nodes if n.op == "placeholder" and n.users
+            and all(op_of(u) == "reload" for u in n.users)}
+    return made | read
 
 
 def program_steps(program: fx.GraphModule) -> list[Step]:
@@ -349,6 +392,7 @@ class MemoryPlan:
     transient: dict[str, int] = field(default_factory=dict)
     per_step: list[int] = field(default_factory=list)
     largest_segment_weight_bytes: int = 0
+    host_checkpoint_bytes: int = 0   # layer checkpoints this direction keeps on the host
 
 
 # traced values ---------------------------------------------------------------------------

@@ -58,6 +58,8 @@ _CHOICES = {
     "kernels": {"auto": "Triton kernels on CUDA", "triton": None, "none": None},
     "logits": {"keep": "return the logits", "drop": "fused LM head + loss, logits=None in the output"},
     "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
+    "offload_checkpoints": {"auto": "when the step does not fit device_budget with them on the device",
+                            "always": None, "never": None},
     "attention": {"segments": "no seq x seq mask; transformers' attention where it cannot run",
                   "transformers": "the model's own attention implementation, as set"},
 }
@@ -218,6 +220,12 @@ class Options:
     #: models it cannot run (logit softcapping, attention sinks) keep their own attention.
     #: "transformers": keep the implementation the model was loaded with.
     attention: str = "segments"
+    #: Layer checkpoints (the hidden states each layer's backward recomputes from) kept in host
+    #: memory between the forward and the backward (passes/offload_checkpoints.py): each leaves
+    #: the device after the next layer's forward has read it and comes back one segment before
+    #: its backward, on the copy streams. "auto": only when the step would not fit
+    #: `device_budget` with them on the device; "always"; "never".
+    offload_checkpoints: str = "auto"
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

@@ -37,7 +37,7 @@ import torch
 from .cost_model import body_seconds, optimizer_seconds
 from .errors import CannotFitError
 from .hardware import Hardware
-from .ir import segment_calls
+from .ir import Step, segment_calls
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
 from .simulate import SegmentCost, makespan, optimizer_bytes, simulate
@@ -130,6 +130,7 @@ class DirectionCosts:
     layer: list[int | None]     # decoder layer index of each segment (None: prologue/embed/head)
     saved: list[int]            # bytes of forward outputs (saved for the backward) per segment
     peak: int                   # memory plan peak of the captured prefix
+    host_checkpoints: int = 0   # layer checkpoints the prefix keeps on the host (offload_checkpoints)
 
 
 @dataclass
@@ -152,15 +153,16 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
             for name in n.meta["mt_segment"]["outputs"]:
                 produced[name] = k
         saved = [0] * len(segs)
-        if direction == "forward":
-            result = next(n for n in top.graph.nodes if n.op == "output")
+        if direction == "forward":   # (as the program returns them: offloaded checkpoints are host values)
+            result = next(n for n in done.schedule.program.graph.nodes if n.op == "output")
             for a in result.all_input_nodes:
                 if a.name in produced:
                     saved[produced[a.name]] += value_bytes(a.meta.get("val"))
         layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
         per_body = {name: body_seconds(body, hw) for name, body in done.bodies.items()}
         seconds = [per_body[name] for name in done.body_of]
-        out[direction] = DirectionCosts(segs, seconds, layer, saved, done.plan.peak_bytes if done.plan else 0)
+        out[direction] = DirectionCosts(segs, seconds, layer, saved, done.plan.peak_bytes if done.plan else 0,
+                                        done.plan.host_checkpoint_bytes if done.plan else 0)
     return Capture(batch, out)
 
 
@@ -179,6 +181,7 @@ class BatchEstimate:
                                                     # (overlap_optimizer=backward, norm not clipped)
     overlap_forward_seconds: float | None = None    # the update under the next forward (overlap_optimizer=
                                                     # forward, or a clipped step under backward)
+    host_checkpoint_bytes: int = 0   # layer checkpoints kept in host RAM between forward and backward
 
     @property
     def step_seconds(self) -> float:
@@ -203,6 +206,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     vision: str | None = None          # a VLM: how its vision side is trained (frozen / train)
     vision_bytes: int = 0              # device bytes of the VLM's vision side (outside the store)
+    checkpoints_on_host: bool = False  # layer checkpoints offloaded (offload_checkpoints)
 
     @property
     def fits(self) -> bool:
@@ -217,6 +221,7 @@ class Plan:
              "host_ram": self.host_ram, "device_capacity": self.device_capacity,
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
+             "checkpoints_on_host": self.checkpoints_on_host,
              "fits": self.fits, "problems": self.problems,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
@@ -267,6 +272,33 @@ class _Model:
             return out
         sa, sb = per_layer(self.a), per_layer(self.b)
         return sum(self._lerp(sa[self.rep[i]], sb[self.rep[i]], batch) for i in range(self.k, len(self.kinds)))
+
+    def host_checkpoints(self, batch: int) -> int:
+        """Host bytes of the full model's offloaded layer checkpoints at `batch` (one per layer
+        but the last, plus the embedding's output: as many as layers, as in the prefix)."""
+        ha, hb = (c.directions["forward"].host_checkpoints for c in (self.a, self.b))
+        return int(max(0.0, self._lerp(ha, hb, batch)) * len(self.kinds) / self.k)
+
+    def with_checkpoints(self, direction: str, steps: list, infos: list, batch: int) -> list:
+        """`steps` with the checkpoint moves the offload_checkpoints pass writes: each layer's
+        checkpoint (the embedding's or the previous layer's output) offloaded after the run
+        that makes it, and reloaded before the segment ahead of that layer's backward."""
+        per_layer = self.host_checkpoints(batch) // max(1, len(self.kinds))
+        if not per_layer:
+            return steps
+        layers = len(self.kinds)
+        if direction == "forward":
+            moved = {k for k, s in enumerate(infos) if 0 <= s.group <= layers - 1}
+        else:
+            moved = {k for k, s in enumerate(infos) if 1 <= s.group <= layers}
+        out = []
+        for step in steps:
+            if direction == "backward" and step.op == "run" and step.segment + 1 in moved:
+                out.append(Step("reload", "h2d", step.segment + 1, per_layer))
+            out.append(step)
+            if direction == "forward" and step.op == "run" and step.segment in moved:
+                out.append(Step("offload", "d2h", step.segment, per_layer))
+        return out
 
     def device_peak(self, batch: int) -> int:
         if batch in self.checked:   # captured at this batch (see plan_model)
@@ -328,6 +360,18 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         capacity = int(hardware.device_memory_gib * GiB * (1 - DEVICE_RESERVE_FRACTION)) - DEVICE_RESERVE_BYTES
     capacity = max(0, capacity - vision_bytes)   # a VLM's vision side stays on the device
 
+    # layer checkpoints on the host when batch 1 does not fit with them on the device (what the
+    # backend's offload_checkpoints="auto" does under a device budget)
+    checkpoints_on_host = options.get("offload_checkpoints") == "always"
+    if options.get("offload_checkpoints", "auto") == "auto" and m.device_peak(1) > capacity:
+        offloading = {**options, "offload_checkpoints": "always"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, offloading) for b in (2, 4)]
+        moved = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
+        if moved.device_peak(1) < m.device_peak(1):
+            m, options, checkpoints_on_host = moved, offloading, True
+
     lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
         infos, costs = m.expand(direction, 1)
@@ -339,7 +383,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         times, sims = {}, {}
         for direction in ("forward", "backward"):
             infos, costs = m.expand(direction, b)
-            sims[direction] = steps, costs = build_steps(infos, lookahead[direction]), costs
+            steps = m.with_checkpoints(direction, build_steps(infos, lookahead[direction]), infos, b)
+            sims[direction] = steps, costs
             times[direction] = makespan(simulate(steps, costs, hardware))
         opt, after = optimizer_seconds(trainable, hardware), optimizer_seconds(trainable - in_store, hardware)
         overlapped = {}
@@ -351,7 +396,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
                              captured=b in (2, 4) or b in m.checked,
                              overlap_backward_seconds=overlapped.get("backward"),
-                             overlap_forward_seconds=overlapped.get("forward"))
+                             overlap_forward_seconds=overlapped.get("forward"),
+                             host_checkpoint_bytes=m.host_checkpoints(b))
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
     # which can move to a step whose bytes grow faster: a convex function, which the chord from
@@ -376,7 +422,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         fit = max(anchor_b, min(fit - 1, anchor_b + (capacity - anchor_p) // slope))
     candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
     batches = [estimate(b) for b in candidates]
-    fitting = [b for b in batches if b.device_peak_bytes <= capacity]
+    fitting = [b for b in batches if b.device_peak_bytes <= capacity
+               and host.total + b.host_checkpoint_bytes <= host_ram]
     best = max(fitting, key=lambda b: b.batch / b.step_seconds) if fitting else None
 
     name = source if isinstance(source, str) else getattr(source, "_name_or_path", "") or "model"
@@ -386,7 +433,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 hardware=hardware.to_dict(), seq=seq, slots=slots, lookahead=lookahead, host=host,
                 host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
-                vision=vision if vlm else None, vision_bytes=vision_bytes)
+                vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host)
     _check(plan, m, p1, slope)
     return plan
 
@@ -408,6 +455,12 @@ def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
         hints.append(f"a shorter --seq (activations grow at least linearly with it: {_fmt(slope)} per sample now)")
         hints.append("recompute_head=True when the logits dominate")
         plan.problems.append("device memory: " + "; ".join(hints) + ".")
+    elif plan.best is None and need <= plan.host_ram:
+        b = min(plan.batches, key=lambda b: b.batch)
+        plan.problems.append(
+            f"host RAM: batch {b.batch} at --seq {plan.seq} keeps {_fmt(b.host_checkpoint_bytes)} of layer checkpoints "
+            f"on the host beside the store's {_fmt(need)}, but {_fmt(plan.host_ram)} is available: add host RAM "
+            f"(--host-ram {math.ceil((need + b.host_checkpoint_bytes) / 1e9)}G) or use a shorter --seq.")
     elif plan.requested_batch and plan.requested_batch > plan.max_batch:
         plan.problems.append(
             f"device memory: batch {plan.requested_batch} at --seq {plan.seq} needs "
@@ -432,6 +485,9 @@ def to_text(plan: Plan) -> str:
              f"  total                   {_fmt(h.total):>12}   of {_fmt(plan.host_ram)} "
              f"({'fits' if h.total <= plan.host_ram else 'DOES NOT FIT'})",
              f"  of which pinned         {_fmt(h.pinned):>12}",
+             *([f"  layer checkpoints       {_fmt(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "
+                "per step at the best batch, beside the total (offload_checkpoints: they wait in pinned host "
+                "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
              "",
              f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
              *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device "

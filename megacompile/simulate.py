@@ -6,7 +6,9 @@ stream, which is where the runtime issues them:
   * a prefetch starts when it is issued and the link is free, and lasts bytes / h2d bandwidth;
   * a wait ends when its segment's weights have arrived;
   * a run starts when the previous run ended, and lasts the body's estimated seconds;
-  * a grad_offload starts when its run ended and the d2h link is free.
+  * a grad_offload starts when its run ended and the d2h link is free;
+  * a checkpoint offload starts when its run ended and the d2h link is free; a reload starts
+    when it is issued and the h2d link is free, and the run it is for starts only after it.
 With `optimizer_s_per_byte`, a fourth stream, `host`, runs the optimizer (runtime/adamw.py):
   * optimizer="backward" (HostAdamW overlap="backward", the norm not clipped): an update
     starts when its grad_offload ended and the host is free, and lasts the offloaded gradient
@@ -56,6 +58,7 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
     after_offload = optimizer_s_per_byte is not None and optimizer == "backward"
     clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0}
     arrived: dict[int, float] = {}
+    reloaded: dict[int, float] = {}   # segment -> when its last checkpoint reload arrives
     ran: dict[int, float] = {}
     out = []
 
@@ -84,7 +87,7 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         return start, end
 
     def run(k: int, nbytes: int) -> tuple[float, float]:
-        start = clock["compute"]
+        start = clock["compute"] = max(clock["compute"], reloaded.get(k, t0))
         end = clock["compute"] = ran[k] = start + costs[k].seconds
         return start, end
 
@@ -98,8 +101,24 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
     def evict(k: int, nbytes: int) -> tuple[float, float]:   # instantaneous, on the compute stream
         return clock["compute"], clock["compute"]
 
+    def offload(k: int, nbytes: int) -> tuple[float, float]:   # a checkpoint out, after its run
+        start = max(clock["d2h"], ran.get(k, clock["compute"]))
+        end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
+        if not hw.overlap:
+            clock["compute"] = end
+        return start, end
+
+    def reload(k: int, nbytes: int) -> tuple[float, float]:    # a checkpoint in, before run k
+        start = max(clock["h2d"], clock["compute"])
+        end = clock["h2d"] = start + nbytes / (hw.h2d_gbps * 1e9)
+        reloaded[k] = max(reloaded.get(k, t0), end)
+        if not hw.overlap:
+            clock["compute"] = end
+        return start, end
+
     # one handler per schedule op (the executor and the memory plan have theirs)
-    handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": grad_offload, "evict": evict}
+    handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": grad_offload, "evict": evict,
+                "offload": offload, "reload": reload}
     for step in steps:
         k, cost = step.segment, costs[step.segment]
         nbytes = step.nbytes or (cost.grad_bytes if step.op == "grad_offload" else 0)

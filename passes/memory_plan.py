@@ -18,8 +18,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
-from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, liveness,
-                  segment_calls, walk)
+from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, host_values,
+                  liveness, segment_calls, walk)
 from ..ir_ops import fetch_expert_rows, linear_cross_entropy_workspace, triton_runs
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
@@ -93,7 +93,9 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
     with_one_slot = max(p.peak_bytes - p.peak_weight_bytes + p.largest_segment_weight_bytes for p in plans.values())
     raise CannotFitError(
         f"cannot fit a training step in device_budget={_fmt(budget)}: the {direction} pass peaks at {_fmt(peak)} "
-        f"(resident weights {_fmt(weights)} with slots={slots}, the rest activations and intermediates). "
+        f"(resident weights {_fmt(weights)} with slots={slots}, the rest activations and intermediates"
+        + ("; layer checkpoints already on the host" if any(p.host_checkpoint_bytes for p in plans.values()) else "")
+        + "). "
         f"The smallest budget that fits this schedule is {peak} bytes"
         + (f"; with slots=1 about {_fmt(with_one_slot)}" if slots > 1 else "")
         + ". Or lower the batch size or sequence length, or set recompute_head=True.")
@@ -105,8 +107,10 @@ class _Account:
 
     def __init__(self, program: fx.GraphModule, transient: dict[str, int], frees: dict[int, list[str]]):
         self.transient, self.frees = transient, frees
-        self.sizes = {n.name: value_bytes(n.meta.get("val")) for n in program.graph.nodes}
+        host = host_values(program)   # (offloaded checkpoints: host bytes, not device bytes)
+        self.sizes = {n.name: 0 if n.name in host else value_bytes(n.meta.get("val")) for n in program.graph.nodes}
         self.live = {n.name for n in program.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
+        self.host_bytes = sum(value_bytes(n.meta.get("val")) for n in program.graph.nodes if n.name in host)
         self.resident = self.peak_weights = 0
         self.per_step: list[int] = []
 
@@ -139,6 +143,10 @@ class _Account:
         self.live.add(n.name)
         self.free(i)
 
+    def reload(self, i: int, n: fx.Node) -> None:   # a device copy from here to its last reader
+        self.live.add(n.name)
+        self.step(i, n)
+
 
 @graph_pass("memory_plan", reads=(SEGMENT, SCHEDULE), writes=(MEMORY_PLAN,), uses=("device", "hardware"))
 def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -153,11 +161,13 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     program = schedule.program
     account = _Account(program, transient, liveness(program).frees)   # (the executor frees by the same analysis)
     walk(program, {"prefetch": account.prefetch, "evict": account.evict, "run": account.run, "wait": account.step,
-                   "grad_offload": account.step, "value": account.value, "output_of": account.free,
+                   "grad_offload": account.step, "offload": account.step, "reload": account.reload,
+                   "value": account.value, "output_of": account.free,
                    "placeholder": account.free, "output": account.free})
     per_step = account.per_step
     peak_step = max(range(len(per_step)), key=lambda i: (per_step[i], -i)) if per_step else 0
     gm.meta[MEMORY_PLAN] = MemoryPlan(per_step[peak_step] if per_step else 0, peak_step, account.peak_weights,
                                       transient, per_step,
-                                      max((seg.weight_nbytes for seg in schedule.segments), default=0))
+                                      max((seg.weight_nbytes for seg in schedule.segments), default=0),
+                                      account.host_bytes)
     return gm

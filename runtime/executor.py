@@ -5,12 +5,14 @@ graph with its transfers written out as ops around the body calls:
 
     prefetch(1, [w...]) -> wait(1) -> seg1 = body_a(x, w...) -> getitem -> evict(1) -> prefetch(3, ...)
     ... -> seg7 = body_b(...) -> grad_offload(7, [g...]) -> evict(7) ...
+    (with checkpoints on the host) getitem_3 = seg2[0] -> offload(2, getitem_3) ... | reload(5, p) -> seg5
 
 Running it is walking its nodes in order through one table of per-op handlers (`HANDLERS`
 below): a prefetch/wait/evict is the weight pool's, a grad_offload the gradient offloader's
 (runtime/grad_offload.py: overlapping the next segment; all in `param.grad` when the backward
-returns), a run calls the lowered body with its weight inputs bound to device views from the
-pool (never the host parameters). Every value is freed right after its last reader (one
+returns), an offload/reload the checkpoint mover's (runtime/checkpoints.py: host copies of layer
+checkpoints, which are not device bytes), a run calls the lowered body with its weight inputs
+bound to device views from the pool (never the host parameters). Every value is freed right after its last reader (one
 liveness analysis, `ir.liveness`, the memory plan's too), and the byte accounting that
 `megacompile.stats` reports is kept here. An op a later pass adds needs a handler here, in the
 memory plan and in the simulator: the program is refused up front otherwise.
@@ -25,7 +27,8 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, dispatch, liveness, segment_calls
+from ..ir import (FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, dispatch, host_values, liveness,
+                  segment_calls)
 from .weight_pool import DeviceWeightPool
 
 
@@ -43,8 +46,9 @@ def _nbytes(v) -> int:
 class _Run:
     """One call's state: the values by name, the host weights, and the accounting."""
 
-    def __init__(self, program, env: dict, host_args: dict, entries, rows):
+    def __init__(self, program, env: dict, host_args: dict, entries, rows, host: dict):
         self.program, self.env, self.host_args, self.entries, self.rows = program, env, host_args, entries, rows
+        self.host = host   # values on the host: offloaded checkpoints (not device bytes)
         self.pool: DeviceWeightPool = program.pool
         self.debug = program.options.debug_residency
         self.peak = 0
@@ -71,7 +75,11 @@ class DirectionRunner:
                 self.placeholders.append((n.name, weight))
         weight_names = {name: idx for name, idx in self.placeholders if idx is not None}
         self.bodies, self.body_of = compiled.bodies, compiled.body_of
-        self.calls = [Call(compiled.body(k), [(a.name, weight_names.get(a.name)) for a in n.args],
+        # each run's inputs as the program names them (a pass may have rerouted one, e.g. through
+        # a checkpoint reload)
+        runs = {n.meta[STEP].segment: n for n in self.schedule.program.graph.nodes
+                if STEP in n.meta and n.meta[STEP].op == "run"}
+        self.calls = [Call(compiled.body(k), [(a.name, weight_names.get(a.name)) for a in runs[k].args],
                            list(n.meta[SEGMENT]["outputs"])) for k, n in enumerate(segment_calls(top))]
         # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
         self.plan = compiled.plan
@@ -81,6 +89,7 @@ class DirectionRunner:
         # of handlers; the values die by the memory plan's own analysis (ir.liveness)
         lives = liveness(self.schedule.program)
         self.offloaded = lives.offloaded
+        self.host_names = host_values(self.schedule.program)   # (kept out of env: not device bytes)
         self.ops = []
         for i, n, handler in dispatch(self.schedule.program, HANDLERS):
             if n.op in ("placeholder", "output"):
@@ -108,9 +117,12 @@ class DirectionRunner:
         entries = program.entries
         env: dict[str, object] = {}
         host_args: dict[str, object] = {}
+        host: dict[str, object] = {}
         stale = {}
         for (name, weight), value in zip(self.placeholders, args):
-            if weight is not None:
+            if name in self.host_names:
+                host[name] = value   # an offloaded checkpoint: its reload brings it back
+            elif weight is not None:
                 host_args[name] = value  # weights are read from the pool, never from here
                 if isinstance(value, torch.nn.Parameter) and entries[weight].param_ref() is not value:
                     stale[weight] = value
@@ -128,7 +140,7 @@ class DirectionRunner:
             self.runs, program.lowering_records[self.direction] = lower(
                 self.bodies, program.options.lowering, self.device)
         args.clear()  # boxed call: saved activations die at their last use, not at the end
-        run = _Run(program, env, host_args, entries, rows)
+        run = _Run(program, env, host_args, entries, rows, host)
         run.peak = self._live(env) + run.pool.counters.resident_bytes
         t0 = time.perf_counter()
         for label, handler, node, dead in self.ops:
@@ -139,6 +151,10 @@ class DirectionRunner:
                     handler(self, run, node)
             for name in dead:
                 env.pop(name, None)
+                host.pop(name, None)
+        if self.host_names and self.direction == "forward":
+            with record_function("megatrain.forward.checkpoints_done"):
+                program.checkpoints.finish()   # what AOT saves is complete host copies
         if self.direction == "backward":
             with record_function("megatrain.backward.grad_drain"):
                 program.grads.drain()   # backward() returns with every gradient in param.grad
@@ -150,6 +166,8 @@ class DirectionRunner:
                 result.append(host_args[spec])
             elif spec in self.offloaded:  # already delivered to param.grad
                 result.append(None)
+            elif spec in host:            # an offloaded checkpoint
+                result.append(host[spec])
             else:
                 result.append(env[spec])
         program.end(self.direction, stats, peak=run.peak, d2h=run.grads_bytes, seconds=time.perf_counter() - t0)
@@ -181,6 +199,7 @@ class DirectionRunner:
                 inputs.append(views[weight])
         if run.debug:
             _check_inputs_have_storage(inputs, call, k)
+        self.program.checkpoints.ready(inputs)   # (reloads this body reads: copied in by now)
         before = self._live(env) + pool.counters.resident_bytes
         outs = self.runs[self.body_of[k]](*inputs)
         for name, value in zip(call.outputs, outs):   # (the program's getitems of this call: bound here)
@@ -197,11 +216,21 @@ class DirectionRunner:
             items.append((run.entries[index], run.env[name], rows_fetched, self.final_offload[index] == k))
         run.grads_bytes += self.program.grads.offload(items)
 
+    def _offload(self, run: _Run, node: fx.Node) -> None:
+        run.host[node.name] = self.program.checkpoints.offload(run.env[node.args[1].name])
+
+    def _reload(self, run: _Run, node: fx.Node) -> None:
+        source = node.args[1].name
+        value = run.host[source] if source in run.host else run.env[source]
+        run.env[node.name] = self.program.checkpoints.reload(value)
+
     def _value(self, run: _Run, node: fx.Node) -> None:
         """Any other op between segments, computed as the graph says."""
         def value(a):
             return run.env[a.name] if a.name in run.env else run.host_args[a.name]
-        run.env[node.name] = node.target(*fx.map_arg(node.args, value), **fx.map_arg(node.kwargs, value))
+        args = fx.map_arg(node.args, value)
+        self.program.checkpoints.ready(a for a in args if isinstance(a, torch.Tensor))
+        run.env[node.name] = node.target(*args, **fx.map_arg(node.kwargs, value))
 
     @staticmethod
     def _live(env: dict) -> int:
@@ -226,7 +255,8 @@ def _nothing(runner, run, node) -> None:
 #: program op -> its handler (called as handler(runner, run, node))
 HANDLERS = {"prefetch": DirectionRunner._prefetch, "wait": DirectionRunner._wait,
             "evict": DirectionRunner._evict, "run": DirectionRunner._run,
-            "grad_offload": DirectionRunner._grad_offload, "output_of": _bound_by_its_run,
+            "grad_offload": DirectionRunner._grad_offload, "offload": DirectionRunner._offload,
+            "reload": DirectionRunner._reload, "output_of": _bound_by_its_run,
             "value": DirectionRunner._value, "placeholder": _nothing, "output": _nothing}
 
 

@@ -1,0 +1,164 @@
+"""Layer checkpoints kept on the host (passes/offload_checkpoints.py, runtime/checkpoints.py):
+the offload/reload ops in the schedule programs, exactness against the same step with them on
+the device and against eager transformers, the device bytes they free (planned, and measured
+independently), and the `auto` choice under a device budget."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import megacompile
+from conftest import tiny_model
+from device_bytes import host_grads, measure_step
+from families import tiny_family_model
+from megacompile.backend import programs_of
+from megacompile.errors import CannotFitError
+
+
+def _ops(program, direction: str, op: str) -> int:
+    nodes = program.compiled[direction].schedule.program.graph.nodes
+    return sum(1 for n in nodes if str(n.target) == f"megatrain.{op}.default")
+
+
+def _long_batch(seq: int, layout: str, seed: int = 0):
+    """One row of `seq` tokens: left padding (a quarter of it), or packed documents (positions
+    restarting at every document: transformers' packing, no attention mask)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 100, (1, seq), generator=g)
+    kw = {}
+    if layout == "left":
+        mask = torch.ones(1, seq, dtype=torch.long)
+        mask[0, :seq // 4] = 0
+        kw["attention_mask"] = mask
+        labels = ids.masked_fill(mask == 0, -100)
+    else:
+        cuts = [0, seq // 3, seq // 3 + seq // 5, seq]
+        kw["position_ids"] = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])])[None]
+        labels = ids.clone()
+    return ids, labels, kw
+
+
+def _step(model, ids, labels, kw, **options):
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **options})
+    loss = cmodel(input_ids=ids, labels=labels, use_cache=False, **kw).loss
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("layout", ["left", "packed"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3_next", "mixtral"])
+def test_offloaded_checkpoints_at_8k_tokens_equal_the_device_ones_and_eager(family, layout):
+    """8192 tokens (left-padded, or packed documents) of a dense, a sliding-window, a hybrid
+    linear-attention and an MoE family: with every layer checkpoint on the host, the loss and
+    gradients are bit-identical to the same step with them on the device, and within fp32
+    tolerances of eager transformers; the forward offloads each of them and the backward reloads
+    each, and the planned device peak falls while the host holds their bytes."""
+    seq = 8192
+    ref = tiny_family_model(family, num_hidden_layers=4, max_position_embeddings=2 * seq)
+    ids, labels, kw = _long_batch(seq, layout)
+    want = ref(input_ids=ids, labels=labels, use_cache=False, **kw).loss
+    want.backward()
+    runs = {}
+    for mode in ("never", "always"):
+        torch._dynamo.reset()
+        megacompile.compile_start.register()
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        loss = _step(model, ids, labels, kw, offload_checkpoints=mode)
+        runs[mode] = (loss, [p.grad for p in model.parameters()], programs_of(model)[-1])
+    (loss_d, grads_d, on_device), (loss_h, grads_h, on_host) = runs["never"], runs["always"]
+    assert torch.equal(loss_d, loss_h)
+    assert all(torch.equal(a, b) for a, b in zip(grads_d, grads_h) if a is not None)
+    torch.testing.assert_close(loss_h, want, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), grads_h):
+        if p.grad is not None:
+            torch.testing.assert_close(q, p.grad, rtol=1e-3, atol=1e-5, msg=name)
+    moved = _ops(on_host, "forward", "offload")
+    assert moved >= 3 and _ops(on_host, "backward", "reload") == moved   # (embedding + layers 1..3)
+    assert _ops(on_device, "forward", "offload") == 0
+    plans = {m: {d: c.plan for d, c in runs[m][2].compiled.items()} for m in runs}
+    assert plans["always"]["forward"].host_checkpoint_bytes >= moved * seq * 32 * 4
+    for d in ("forward", "backward"):
+        assert plans["always"][d].peak_bytes < plans["never"][d].peak_bytes
+
+
+def _measured(seq: int, offload: str) -> tuple[int, int, int]:
+    """(planned peak, independently measured peak, host checkpoint bytes) of a compiled step's
+    second run, tiny Llama with 6 layers, left-padded, gradients synchronous (see
+    test_memory_plan._planned_and_probed); the host copies of checkpoints are not device bytes."""
+    model = tiny_model("llama", layers=6)
+    ids, labels, kw = _long_batch(seq, "left")
+    cmodel = torch.compile(model, backend="megatrain",
+                           options={"device": "cpu", "overlap_grads": False, "offload_checkpoints": offload})
+    cmodel(input_ids=ids, labels=labels, use_cache=False, **kw).loss.backward()
+    program = programs_of(model)[0]
+    model.zero_grad(set_to_none=True)
+    copies = []
+    mover_offload = program.checkpoints.offload
+
+    def offload(value):
+        copies.append(mover_offload(value))
+        return copies[-1]
+    program.checkpoints.offload = offload
+    with measure_step(program) as probe:
+        cmodel(input_ids=ids, labels=labels, use_cache=False, **kw).loss.backward()
+        host = probe.allocations_of(copies)
+    copies.clear()
+    planned = max(program.runners[d].plan.peak_bytes for d in ("forward", "backward"))
+    return planned, probe.peak(exclude=host_grads(probe, model) | host), \
+        program.compiled["forward"].plan.host_checkpoint_bytes
+
+
+def test_device_peak_is_linear_in_the_sequence_and_within_the_plan():
+    """Segment attention and host checkpoints: the measured device peak at twice the sequence
+    is at most 2.1 times the peak, the plan bounds it (within 1.25x), and the host checkpoints
+    lower it against the same step keeping them on the device."""
+    p1, m1, h1 = _measured(1024, "always")
+    p2, m2, h2 = _measured(2048, "always")
+    assert m1 <= p1 <= 1.25 * m1 and m2 <= p2 <= 1.25 * m2
+    assert m2 <= 2.1 * m1, (m1, m2)
+    assert h2 == 2 * h1 > 0
+    _, kept, _ = _measured(2048, "never")
+    assert m2 < kept
+
+
+def test_auto_offloads_only_when_the_budget_needs_it():
+    """offload_checkpoints="auto" (the default): without a device budget, or with one the step
+    fits with its checkpoints on the device, nothing moves; under a budget between the two
+    schedules' peaks the checkpoints go to the host and the step runs; below both it cannot fit."""
+    ids, labels, kw = _long_batch(2048, "left")
+    peaks = {}
+    for mode in ("never", "always"):
+        model = tiny_model("llama", layers=6)
+        _step(model, ids, labels, kw, offload_checkpoints=mode)
+        program = programs_of(model)[-1]
+        peaks[mode] = max(c.plan.peak_bytes for c in program.compiled.values())
+    assert peaks["always"] < peaks["never"]
+    for budget, moves in ((None, False), (peaks["never"], False), ((peaks["always"] + peaks["never"]) // 2, True)):
+        torch._dynamo.reset()
+        megacompile.compile_start.register()
+        model = tiny_model("llama", layers=6)
+        _step(model, ids, labels, kw, device_budget=budget)
+        assert (_ops(programs_of(model)[-1], "forward", "offload") > 0) == moves, budget
+    torch._dynamo.reset()
+    megacompile.compile_start.register()
+    with pytest.raises(Exception) as e:
+        _step(tiny_model("llama", layers=6), ids, labels, kw, device_budget=peaks["always"] // 2)
+    inner = getattr(e.value, "inner_exception", e.value)
+    assert isinstance(inner, CannotFitError) and "layer checkpoints already on the host" in str(inner)
+
+
+def test_the_pass_disabled_keeps_them_on_the_device():
+    """disable_passes=["offload_checkpoints"]: the marks stay unread, no op moves anything, and the
+    step is the same."""
+    ids, labels, kw = _long_batch(512, "packed")
+    model = tiny_model("llama", layers=3)
+    loss = _step(model, ids, labels, kw, offload_checkpoints="always", disable_passes=["offload_checkpoints"])
+    program = programs_of(model)[-1]
+    assert _ops(program, "forward", "offload") == 0 and _ops(program, "backward", "reload") == 0
+    torch._dynamo.reset()
+    megacompile.compile_start.register()
+    other = tiny_model("llama", layers=3)
+    assert torch.equal(_step(other, ids, labels, kw, offload_checkpoints="always"), loss)
