@@ -43,6 +43,7 @@ from .passes.selective_recompute import selective_recompute
 from .passes.schedule import schedule
 from .passes.split_segments import split_segments
 from .passes.tag_weights import tag_weights
+from .passes.tile_mlp import tile_mlp
 from .passes.unshare_weight_views import unshare_weight_views
 from .runtime import store
 from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
@@ -52,7 +53,7 @@ from .runtime.grad_offload import GradOffloader
 from .runtime.weight_pool import DeviceWeightPool
 
 # These run on the Dynamo graph itself (torch-level ops, before AOTAutograd), see megatrain_backend.
-DYNAMO_PASSES = [fused_kernels, fused_lm_loss, retarget_device]
+DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, retarget_device]
 JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
                     schedule, offload_checkpoints, memory_plan]
@@ -147,6 +148,7 @@ class Program:
             routed_experts=self.options.routed_experts,
             kernels=self.options.kernel_backend,
             logits=self.options.logits,
+            mlp_tiles=self.options.mlp_tiles,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,

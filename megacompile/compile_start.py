@@ -80,3 +80,10 @@ def register() -> None:
     handler = getattr(torch._dynamo, "callback_handler", None)
     if handler is not None and _on_compile_start not in handler.start_callbacks:
         handler.register_start_callback(_on_compile_start)
+
+
+def unregister() -> None:
+    """Remove the callback (torch._dynamo.reset() does the same)."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    if handler is not None and _on_compile_start in handler.start_callbacks:
+        handler.remove_start_callback(_on_compile_start)

@@ -170,10 +170,15 @@ def text_positions(model, batch: int, seq: int) -> dict[str, torch.Tensor]:
 
 def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware | None = None,
                     options: dict | None = None) -> Program:
-    """Compile forward and backward for meta inputs without running megatrain's runtime."""
+    """Compile forward and backward for meta inputs without running megatrain's runtime. For a
+    GPU profile the graph holds the fused Triton kernels a CUDA run selects (kernels="auto"),
+    unless `options` name the kernels."""
+    gpu = hardware is not None and hardware.name != "cpu"
+
     def capture(gm, example_inputs, **_):
         megatrain_backend(gm, example_inputs, options={"device": "cpu", "slots": slots, "hardware": hardware,
-                                                       **(options or {})}, runtime=False)
+                                                       **({"kernels": "triton"} if gpu else {}), **(options or {})},
+                          runtime=False)
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()

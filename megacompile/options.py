@@ -90,6 +90,10 @@ def _checked(name: str, value):
         if not isinstance(value, str) or value not in _CHOICES[name]:
             raise _bad(name, value, _one_of(_CHOICES[name]))
         return value
+    if name == "mlp_tiles":
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise _bad(name, value, "'auto' or an integer >= 1 (1: no tiling)")
     if name == "slots":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _bad(name, value, "an integer >= 1 (2 overlaps one transfer with compute)")
@@ -220,6 +224,11 @@ class Options:
     #: models it cannot run (logit softcapping, attention sinks) keep their own attention.
     #: "transformers": keep the implementation the model was loaded with.
     attention: str = "segments"
+    #: Sequence tiles of each layer's MLP (passes/tile_mlp.py): its [tokens, intermediate] values
+    #: then exist one tile at a time, in the forward and the backward. An int (1: none), or "auto":
+    #: none below 32K tokens per micro-batch, else about intermediate/hidden tiles (more while a
+    #: tile exceeds 64K tokens).
+    mlp_tiles: Any = "auto"
     #: Layer checkpoints (the hidden states each layer's backward recomputes from) kept in host
     #: memory between the forward and the backward (passes/offload_checkpoints.py): each leaves
     #: the device after the next layer's forward has read it and comes back one segment before

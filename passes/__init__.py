@@ -57,6 +57,7 @@ class PassContext:
     routed_experts: bool = False        # fetch only the experts the router picked (MoE)
     kernels: str = "none"               # "triton": fused kernels replace RMSNorm / SwiGLU (fused_kernels)
     logits: str = "keep"                # "drop": LM head + loss fused, no logits returned (fused_lm_loss)
+    mlp_tiles: Any = "auto"             # MLP sequence tiles: an int, or "auto" (tile_mlp)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

@@ -90,11 +90,18 @@ def _triton_interpreter_only_where_asked(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(monkeypatch):
+    """A fresh Dynamo per test; a test's own torch._dynamo.reset() keeps megatrain's compile-start
+    callback, as a user re-registers it (reset() drops Dynamo's callbacks: compile_start.py)."""
+    reset = torch._dynamo.reset
+
+    def reset_keeping_megatrain():
+        reset()
+        megacompile.compile_start.register()
+    monkeypatch.setattr(torch._dynamo, "reset", reset_keeping_megatrain)
     torch._dynamo.reset()
-    megacompile.compile_start.register()  # reset() drops Dynamo's compile-start callbacks
     yield
-    torch._dynamo.reset()
+    reset()
 
 
 @pytest.fixture
