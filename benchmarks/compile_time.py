@@ -26,7 +26,7 @@ import megacompile  # noqa: E402,F401  (registers the backend)
 
 
 def first_step(layers: int) -> tuple[float, float]:
-    torch._dynamo.reset()
+    megacompile.reset()
     from torch._dynamo.utils import compilation_time_metrics
     compilation_time_metrics.clear()
     model = tiny_model("llama", layers=layers)

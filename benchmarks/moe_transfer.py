@@ -47,7 +47,7 @@ def expert_bytes(model) -> int:
 
 
 def measure(model, tokens: int, routed: bool, steps: int) -> tuple[dict, float]:
-    torch._dynamo.reset()
+    megacompile.reset()
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "routed_experts": routed})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch, seq = (1, tokens) if tokens <= 512 else (tokens // 512, 512)

@@ -37,6 +37,8 @@ import time
 import traceback
 
 import torch
+
+import megacompile  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megacompile.hardware import load_hardware
@@ -126,7 +128,7 @@ def megatrain_step(args, device, data, overlap, options: dict):
         torch.cuda.empty_cache()
     cmodel = torch.compile(model, backend="megatrain",
                            options={"device": str(device), "slots": args.slots, "lowering": args.lowering,
-                                    **options})
+                                    "attention": args.attention, **options})
     opt = HostAdamW(model.parameters(), lr=1e-5, overlap=overlap)
     data = data.cpu()   # (the batch lives with the model, on the host: the program moves it)
 
@@ -186,6 +188,8 @@ def main() -> None:
     ap.add_argument("--lowering", default="auto", choices=["auto", "eager", "inductor"],
                     help="how segment bodies run (auto: Inductor-compiled and timed per body on CUDA, which adds "
                          "compile time to the first step; eager: their aten ops)")
+    ap.add_argument("--attention", default="segments", choices=["segments", "transformers"],
+                    help="megatrain's segment attention (default) or the model's own (SDPA)")
     ap.add_argument("--profile", default="", metavar="DIR",
                     help="profile one more step of each config: op tables and a trace into DIR")
     ap.add_argument("--only", default="", help="comma-separated config names to run, in that order (default: all)")
@@ -225,7 +229,7 @@ def main() -> None:
             continue
         finally:
             model = step = None
-            torch._dynamo.reset()
+            megacompile.reset()
             gc.collect()   # (the compiled program and its runners form cycles that hold the host store)
             if device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import megacompile  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 #: two sizes: (name, hidden, layers, vocab, batch, seq)
@@ -47,7 +49,7 @@ def predicted(cfg: LlamaConfig, batch: int, seq: int) -> float:
 
 def measured(cfg: LlamaConfig, batch: int, seq: int, steps: int) -> tuple[float, float]:
     """(median, fastest) step seconds."""
-    torch._dynamo.reset()
+    megacompile.reset()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).train()
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "logits": "drop"})

@@ -14,8 +14,16 @@ from . import compile_start
 
 compile_start.register()
 
+
+def reset() -> None:
+    """torch._dynamo.reset(), keeping megatrain's compile-start callback (which Dynamo's reset
+    drops: compile_start.py): use it between compiles of megatrain models."""
+    import torch
+    torch._dynamo.reset()
+    compile_start.register()
+
 __all__ = [
-    "megatrain_backend", "stats", "Options", "master_weight",
+    "reset", "megatrain_backend", "stats", "Options", "master_weight",
     "MegatrainError", "UnsupportedModelError", "GraphBreakError", "ConfigError", "ResidencyError", "CannotFitError",
     "TrainingError",
 ]

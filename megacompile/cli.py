@@ -114,7 +114,8 @@ def _inspect(args) -> int:
         _check_output(args.output)
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
-                           options={"recompute": args.recompute, "logits": args.logits},
+                           options={"recompute": args.recompute, "logits": args.logits,
+                                    "offload_checkpoints": args.offload_checkpoints, "mlp_tiles": args.mlp_tiles},
                            overlap_optimizer=None if args.overlap_optimizer == "false" else args.overlap_optimizer)
     if args.format == "json":
         text = to_json(report)
@@ -202,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--logits", default="drop", choices=["drop", "keep"],
                    help="drop (default, as megatrain train): LM head and loss fused, no [tokens, vocab] logits; "
                         "keep: the logits are computed and returned (torch.compile's default)")
+    i.add_argument("--offload-checkpoints", default="never", choices=["never", "always"],
+                   help="always: keep the layer checkpoints in host memory between forward and backward "
+                        "(the offload/reload ops in the schedule; megatrain train chooses it when the step does not "
+                        "fit the device otherwise)")
+    i.add_argument("--mlp-tiles", default="auto", type=lambda v: v if v == "auto" else positive_int(v),
+                   help="sequence tiles of each MLP: auto (none below 32K tokens) or N")
     i.add_argument("--gpu", default="h200", help="hardware profile for time estimates: a built-in name or a JSON file")
     i.add_argument("--overlap-optimizer", default="false", choices=["false", "forward", "backward"],
                    help="backward: the host optimizer updates each segment as its gradients land, under the "

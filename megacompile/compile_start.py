@@ -63,8 +63,9 @@ def late(model: torch.nn.Module, attention_choice: str) -> None:
     if attention.why_not(model) is None:
         log.warning("megatrain: %s was traced before megatrain could select its segment attention (a compile right "
                     "after torch._dynamo.reset(), which drops megatrain's compile-start callback): it keeps "
-                    "transformers' attention, whose mask grows with seq x seq. Call "
-                    "megacompile.compile_start.register() after torch._dynamo.reset(), before compiling.",
+                    "transformers' attention, whose mask grows with seq x seq. Use "
+                    "megacompile.reset() instead of torch._dynamo.reset() (or call "
+                    "megacompile.compile_start.register() after it), before compiling.",
                     type(model).__name__)
 
 

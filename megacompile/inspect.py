@@ -52,6 +52,7 @@ class DirectionReport:
     lookahead: int = 1
     code: dict[str, str] = field(default_factory=dict)
     program: str = ""              # the schedule as one FX program (ir.schedule_program)
+    host_checkpoint_bytes: int = 0   # layer checkpoints kept on the host (offload_checkpoints)
 
 
 def segment_report(done: Compiled, capture, hw: Hardware) -> tuple[list[dict], list[SegmentCost]]:
@@ -221,17 +222,20 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
                                     optimizer=direction), direction, segs)
         t = makespan(steps, t)
         saved = 0
-        if direction == "backward":
+        if direction == "backward":   # (on the device: the checkpoints kept on the host are counted apart)
+            from .ir import host_values
             from .passes import WEIGHT_GROUP
+            host = host_values(done.schedule.program)
             for n in done.graph.graph.nodes:
                 val = n.meta.get("val")
                 if (n.op == "placeholder" and WEIGHT_GROUP not in n.meta and not n.name.startswith("tangents")
-                        and isinstance(val, torch.Tensor)):
+                        and isinstance(val, torch.Tensor) and n.name not in host):
                     saved += value_bytes(val)
         directions[direction] = DirectionReport(
             segs, steps, done.schedule.peak_resident_weight_bytes(), saved,
             program.pass_records.get(direction, []), done.schedule.lookahead,
-            {name: body.code for name, body in done.bodies.items()}, done.schedule.program.code)
+            {name: body.code for name, body in done.bodies.items()}, done.schedule.program.code,
+            done.plan.host_checkpoint_bytes if done.plan else 0)
     # (with the optimizer overlapped, t already holds its updates; what is left runs after)
     forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream != "host"), default=t)
     opt_end = t + optimizer_seconds(after, hardware)
@@ -249,6 +253,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         "step_seconds": opt_end,
         "forward_backward_seconds": forward_backward,
         "overlap_optimizer": overlap_optimizer,
+        "mlp_tiles": next((r[2] for r in program.pass_records.get("dynamo", []) if r[:2] == ("tile_mlp", "tiled")), []),
         "inspect_seconds": time.perf_counter() - t_start,
     }
 
@@ -262,6 +267,7 @@ def to_json(report: dict) -> str:
                            "bytes": s.nbytes, "start_s": s.start, "end_s": s.end} for s in d.steps],
                 "peak_resident_weight_bytes": d.peak_resident_weight_bytes,
                 "saved_activation_bytes": d.saved_activation_bytes,
+                "host_checkpoint_bytes": d.host_checkpoint_bytes,
                 "lookahead": d.lookahead,
                 "passes": [[name, status] for name, status, _ in d.passes]}
     out = {k: v for k, v in report.items() if k not in ("directions", "inspect_seconds")}
@@ -328,11 +334,12 @@ def to_text(report: dict, show: str) -> str:
     m, lines = report["model"], []
     lines.append(f"{m['source']} ({m['model_type']}): {m['layers']} layers, {m['parameters'] / 1e9:.2f}B params, "
                  f"{m['dtype']}; batch {report['batch']} x seq {report['seq']}; slots {report['slots']}; "
-                 f"hardware {report['hardware']['name']}; distinct layer bodies {m['distinct_layer_bodies']}")
+                 f"hardware {report['hardware']['name']}; distinct layer bodies {m['distinct_layer_bodies']}"
+                 + (f"; MLPs in {max(report['mlp_tiles'])} sequence tiles" if report.get("mlp_tiles") else ""))
     for direction, d in report["directions"].items():
         lines.append(f"\n== {direction}")
         if show == "graphs":
-            lines.append("-- schedule program (transfers as prefetch/wait/evict/grad_offload ops)\n"
+            lines.append("-- schedule program (transfers as prefetch/wait/evict/grad_offload/offload/reload ops)\n"
                          + d.program.strip())
             for name, code in d.code.items():
                 lines.append(f"-- body {name}\n{code.strip()}")
@@ -343,6 +350,9 @@ def to_text(report: dict, show: str) -> str:
             lines.append(f"  peak resident weights   {_gib(d.peak_resident_weight_bytes)}")
             if direction == "backward":
                 lines.append(f"  saved activations       {_gib(d.saved_activation_bytes)}")
+            if d.host_checkpoint_bytes:
+                lines.append(f"  layer checkpoints kept on the host {_gib(d.host_checkpoint_bytes)} "
+                             "(offload_checkpoints: megatrain.offload / megatrain.reload in the program)")
             biggest = max(d.segments, key=lambda s: s["transient_bytes"])
             lines.append(f"  largest body transient  {_gib(biggest['transient_bytes'])} ({biggest['name']})")
             for s in d.segments:

@@ -226,8 +226,8 @@ class Options:
     attention: str = "segments"
     #: Sequence tiles of each layer's MLP (passes/tile_mlp.py): its [tokens, intermediate] values
     #: then exist one tile at a time, in the forward and the backward. An int (1: none), or "auto":
-    #: none below 32K tokens per micro-batch, else about intermediate/hidden tiles (more while a
-    #: tile exceeds 64K tokens).
+    #: none below a sequence of 32K tokens, else about intermediate/hidden tiles (more while a
+    #: tile spans over 64K tokens).
     mlp_tiles: Any = "auto"
     #: Layer checkpoints (the hidden states each layer's backward recomputes from) kept in host
     #: memory between the forward and the backward (passes/offload_checkpoints.py): each leaves

@@ -207,6 +207,7 @@ class Plan:
     vision: str | None = None          # a VLM: how its vision side is trained (frozen / train)
     vision_bytes: int = 0              # device bytes of the VLM's vision side (outside the store)
     checkpoints_on_host: bool = False  # layer checkpoints offloaded (offload_checkpoints)
+    mlp_tiles: int = 1                 # sequence tiles of each MLP (tile_mlp)
 
     @property
     def fits(self) -> bool:
@@ -221,7 +222,7 @@ class Plan:
              "host_ram": self.host_ram, "device_capacity": self.device_capacity,
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
-             "checkpoints_on_host": self.checkpoints_on_host,
+             "checkpoints_on_host": self.checkpoints_on_host, "mlp_tiles": self.mlp_tiles,
              "fits": self.fits, "problems": self.problems,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
@@ -433,9 +434,21 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 hardware=hardware.to_dict(), seq=seq, slots=slots, lookahead=lookahead, host=host,
                 host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
-                vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host)
+                vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host,
+                mlp_tiles=_mlp_tiles(config, options, seq))
     _check(plan, m, p1, slope)
     return plan
+
+
+def _mlp_tiles(config, options: dict, tokens: int) -> int:
+    """The MLP tile count a run at a sequence of `tokens` gets (passes/tile_mlp.py)."""
+    from .passes.tile_mlp import auto_tiles
+    tiles = options.get("mlp_tiles", "auto")
+    if isinstance(tiles, int):
+        return tiles
+    text = config.get_text_config(decoder=True)
+    hidden, inter = getattr(text, "hidden_size", 0), getattr(text, "intermediate_size", 0)
+    return auto_tiles(tokens, hidden, inter) if hidden and isinstance(inter, int) and inter else 1
 
 
 def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
@@ -488,6 +501,8 @@ def to_text(plan: Plan) -> str:
              *([f"  layer checkpoints       {_fmt(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "
                 "per step at the best batch, beside the total (offload_checkpoints: they wait in pinned host "
                 "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
+             *([f"long sequence: each MLP runs in {plan.mlp_tiles} sequence tiles (mlp_tiles)"]
+               if plan.mlp_tiles > 1 else []),
              "",
              f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
              *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device "

@@ -135,7 +135,10 @@ def check_pipeline(passes: list[GraphPass], disabled=(), then_reads=(), reader: 
     ir.RUNTIME_READS) is there at the end. A ContractError names the reader, the key and the
     disabled pass that would have written it."""
     have = set(available)
-    writers = {k: p.name for p in passes for k in (*p.writes, *p.may_write)}
+    writers: dict[str, str] = {}   # key -> the first pass that writes it (a later one may rewrite it)
+    for p in passes:
+        for k in (*p.writes, *p.may_write):
+            writers.setdefault(k, p.name)
 
     def refuse(who: str, key: str) -> None:
         writer = writers.get(key)

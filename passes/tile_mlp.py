@@ -20,10 +20,10 @@ gradients summed over tiles. Which modules qualify is checked on the graph, not 
 activation input [b, s, h] besides parameters, one output [b, s, h'], only token-wise ops
 (matmuls against weights, elementwise math, splits of the last dimension).
 
-Tile count (option `mlp_tiles`): an int, or "auto": none below 32K tokens per micro-batch (the
+Tile count (option `mlp_tiles`): an int, or "auto": none below a sequence of 32K tokens (the
 matmuls stay whole: nothing to save at ordinary lengths), else enough tiles that a tile's
 intermediate value is no larger than the layer's hidden state (ceil(intermediate / hidden)),
-doubled while a tile still has more than 64K tokens. Numerics: each token's values are computed
+doubled while a tile still spans more than 64K tokens of the sequence. Numerics: each token's values are computed
 as before; the weight gradients are sums over tiles (fp32: within 1e-5 relative).
 """
 from __future__ import annotations
@@ -116,6 +116,7 @@ def _is_parameter(n: fx.Node) -> bool:
 
 
 def auto_tiles(tokens: int, hidden: int, intermediate: int) -> int:
+    """The "auto" tile count for a sequence of `tokens`."""
     if tokens < AUTO_MIN_TOKENS:
         return 1
     tiles = max(1, math.ceil(intermediate / max(1, hidden)))
@@ -153,12 +154,17 @@ def _tile(gm: fx.GraphModule, members: list[fx.Node], x: fx.Node, y: fx.Node, ti
 
 @graph_pass("tile_mlp", uses=("mlp_tiles",))
 def tile_mlp(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    regions = mlp_regions(gm)
+    # "auto" follows the sequence length (a row's tokens), not the batch: a long sequence is what
+    # tiling is for, and a step's memory then stays linear in the batch at a given length (an
+    # MoE's shared expert sees [tokens, h]: it takes the sequence of the 3-D MLPs if there are any)
+    seqs = [dim_hint(x.meta["example_value"].shape[1]) for _, x, _ in regions if x.meta["example_value"].dim() == 3]
     counts = []
-    for members, x, y in mlp_regions(gm):
+    for members, x, y in regions:
         xv = x.meta["example_value"]
-        tokens = math.prod(dim_hint(d) for d in xv.shape[:-1])
+        seq = dim_hint(xv.shape[1]) if xv.dim() == 3 else max(seqs, default=dim_hint(xv.shape[0]))
         tiles = ctx.mlp_tiles if isinstance(ctx.mlp_tiles, int) else auto_tiles(
-            tokens, dim_hint(xv.shape[-1]), _intermediate(members))
+            seq, dim_hint(xv.shape[-1]), _intermediate(members))
         tiles = min(tiles, dim_hint(xv.shape[-2]))
         if tiles > 1:
             _tile(gm, members, x, y, tiles)

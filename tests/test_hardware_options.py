@@ -433,7 +433,8 @@ def test_string_choices(name, good, expected):
 def test_disable_passes_names_real_passes():
     assert set(pass_names()) >= {"fused_kernels", "fused_lm_loss", "retarget_device", "tag_weights", "layer_regions",
                                  "unshare_weight_views", "recompute_boundaries", "selective_recompute",
-                                 "routed_experts", "split_segments", "dedupe_bodies", "schedule", "memory_plan"}
+                                 "routed_experts", "split_segments", "dedupe_bodies", "schedule", "memory_plan",
+                                 "tile_mlp", "offload_checkpoints"}
     from megacompile import backend
     lists = (backend.DYNAMO_PASSES, backend.JOINT_PASSES, backend.DIRECTION_PASSES)
     assert set(pass_names()) == {p.name for passes in lists for p in passes} \
@@ -443,8 +444,9 @@ def test_disable_passes_names_real_passes():
     assert Options.from_mapping({"device": "cpu", "disable_passes": ["dedupe_bodies", "memory_plan"]}).disable_passes \
         == ("dedupe_bodies", "memory_plan")
     # a pass that a later pass or the runtime reads is refused with the option, before any work
-    assert _error({"device": "cpu", "disable_passes": ["schedule"]}).startswith(
-        "option disable_passes=['schedule']: pass 'memory_plan' reads graph key 'mt_schedule'")
+    msg = _error({"device": "cpu", "disable_passes": ["schedule"]})
+    assert msg.startswith("option disable_passes=['schedule']: pass 'offload_checkpoints' reads graph key "
+                          "'mt_schedule'") and "which pass 'schedule' writes, and it is disabled" in msg
     assert Options.from_mapping({"device": "cpu", "disable_passes": ()}).disable_passes == ()
     msg = _option_error("disable_passes", ["schedule", "dedupe_body"])
     assert "'dedupe_body' is not one: did you mean 'dedupe_bodies'?" in msg and "memory_plan" in msg

@@ -119,7 +119,7 @@ def test_disabling_each_pass_runs_or_is_refused_before_any_work(monkeypatch):
         torch.testing.assert_close(loss, eager, rtol=1e-5, atol=1e-6)
     # the passes others read cannot be switched off; the rest can
     assert set(refused) == {"tag_weights", "layer_regions", "recompute_boundaries", "split_segments", "schedule"}
-    with pytest.raises(ContractError, match="pass 'memory_plan' reads graph key 'mt_schedule'"):
+    with pytest.raises(ContractError, match="pass 'offload_checkpoints' reads graph key 'mt_schedule'"):
         backend.check_pipelines(("schedule",))
 
 

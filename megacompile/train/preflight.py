@@ -63,7 +63,8 @@ def plan_check(model, config, device: torch.device) -> str:
     from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size
-    options = {k: v for k, v in config.megatrain.items() if k in ("recompute", "recompute_head", "logits")}
+    options = {k: v for k, v in config.megatrain.items()
+               if k in ("recompute", "recompute_head", "logits", "mlp_tiles", "offload_checkpoints", "attention")}
     hardware, why = hardware_for(config, device, dtype)
     plan = plan_model(model.config, hardware=hardware, seq=config.cutoff_len, batch=batch,
                       slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
@@ -74,10 +75,18 @@ def plan_check(model, config, device: torch.device) -> str:
                              f"{_fmt(plan.device_capacity)} usable on {device} ({why}). "
                              + " ".join(plan.problems) + " In the config: lower per_device_train_batch_size (raise "
                              "gradient_accumulation_steps to keep the effective batch) or cutoff_len.")
+    host = plan.host.total + est.host_checkpoint_bytes
+    if est.host_checkpoint_bytes and host > plan.host_ram:
+        raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} keeps "
+                             f"{_fmt(est.host_checkpoint_bytes)} of layer checkpoints in host RAM beside the store's "
+                             f"{_fmt(plan.host.total)}, {_fmt(host)} in all, but {_fmt(plan.host_ram)} is available. "
+                             "In the config: lower per_device_train_batch_size or cutoff_len.")
+    moved = (f"; layer checkpoints on the host: {_fmt(est.host_checkpoint_bytes)}" if est.host_checkpoint_bytes
+             else "")
     return (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
             f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
-            f"{_fmt(plan.device_weight_bytes)}); about {est.step_seconds * config.gradient_accumulation_steps:.2f} "
-            f"s/step ({why})")
+            f"{_fmt(plan.device_weight_bytes)}{moved}); about "
+            f"{est.step_seconds * config.gradient_accumulation_steps:.2f} s/step ({why})")
 
 
 def check_device(config) -> torch.device:
