@@ -69,7 +69,7 @@ def plan_at(model: str, gpu: str, seq: int, host_ram: int):
 def longest(model: str, gpu: str, start: int, limit: int, host_ram: int) -> dict:
     """Double the sequence from `start` while the plan fits: the last that fits and its figures."""
     _, config = build_meta_model(model, 1, torch.bfloat16)
-    layers, width = attention_shape(config)
+    _, width = attention_shape(config)
     seq, last, previous_peak, growth = start, None, None, None
     while seq <= limit:
         t = time.perf_counter()
@@ -83,7 +83,7 @@ def longest(model: str, gpu: str, start: int, limit: int, host_ram: int) -> dict
             growth = estimate.device_peak_bytes / previous_peak
         previous_peak = estimate.device_peak_bytes
         params = plan.model.get("parameters") or 0
-        flops = step_flops(params, layers, width, seq)
+        flops = step_flops(params, plan.model["layers"], width, seq)   # (the full depth, not the 1-layer build)
         last = {"seq": seq, "peak_gib": estimate.device_peak_bytes / GIB, "growth": growth,
                 "tokens_per_s": seq / estimate.step_seconds,
                 "mfu": flops / estimate.step_seconds / (plan.hardware["compute_tflops"] * 1e12)}

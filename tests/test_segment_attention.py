@@ -213,18 +213,22 @@ def test_segment_attention_model_equals_transformers_sdpa(layout):
         torch.testing.assert_close(got.logits[0:1], alone, rtol=1e-5, atol=1e-5)
 
 
-def _quadratic(model) -> list[str]:
-    """Values of the model's compiled graphs and bodies with two dimensions equal to S."""
-    from megacompile.backend import programs_of
+def _seq_by_seq(programs, seq: int) -> list[str]:
+    """Values of the programs' compiled graphs and bodies with two dimensions equal to `seq`."""
     found = []
-    for program in programs_of(model):
+    for program in programs:
         for done in program.compiled.values():
             for gm in [done.graph, *done.bodies.values()]:
                 for n in gm.graph.nodes:
                     val = n.meta.get("val")
-                    if isinstance(val, torch.Tensor) and sum(int(d) == S for d in val.shape) >= 2:
+                    if isinstance(val, torch.Tensor) and sum(int(d) == seq for d in val.shape) >= 2:
                         found.append(f"{n.name} {tuple(val.shape)}")
     return found
+
+
+def _quadratic(model) -> list[str]:
+    from megacompile.backend import programs_of
+    return _seq_by_seq(programs_of(model), S)
 
 
 def test_the_backend_selects_segment_attention_itself():
@@ -328,14 +332,7 @@ def test_plans_hold_no_seq_by_seq_value_at_long_sequences(preset, seq):
     from megacompile.inspect import build_meta_model, capture_program
     model, _ = build_meta_model(preset, 2, torch.bfloat16)
     program = capture_program(model, 1, seq, 2)
-    found = []
-    for done in program.compiled.values():
-        for gm in [done.graph, *done.bodies.values()]:
-            for n in gm.graph.nodes:
-                val = n.meta.get("val")
-                if isinstance(val, torch.Tensor) and sum(int(d) == seq for d in val.shape) >= 2:
-                    found.append(f"{n.name} {tuple(val.shape)}")
-    assert found == []
+    assert _seq_by_seq([program], seq) == []
     prologue = program.compiled["forward"].body(0)
     assert program.compiled["forward"].plan.transient[program.compiled["forward"].body_of[0]] < 64 * seq * 64, \
         prologue.graph
