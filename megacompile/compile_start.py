@@ -57,10 +57,9 @@ def prepare(model: torch.nn.Module, attention_choice: str = "segments") -> None:
 def late(model: torch.nn.Module, attention_choice: str) -> None:
     """From the backend: warn when the compile-start callback could not select segment attention
     for a model it would have selected it for (a compile right after `torch._dynamo.reset()`)."""
-    text = getattr(getattr(model, "config", None), "get_text_config", None)
-    if attention_choice != "segments" or text is None or text(decoder=True)._attn_implementation == attention.NAME:
+    if attention_choice != "segments" or attention.why_not(model) is not None:
         return
-    if attention.why_not(model) is None:
+    if model.config.get_text_config(decoder=True)._attn_implementation != attention.NAME:
         log.warning("megatrain: %s was traced before megatrain could select its segment attention (a compile right "
                     "after torch._dynamo.reset(), which drops megatrain's compile-start callback): it keeps "
                     "transformers' attention, whose mask grows with seq x seq. Use "

@@ -33,7 +33,7 @@ import torch
 
 from .backend import Program, megatrain_backend, programs_of
 from .ir import Compiled
-from . import attention, meta_attention
+from . import meta_attention
 from .cost_model import body_cost, optimizer_seconds
 from .hardware import Hardware
 from .passes.memory_plan import value_bytes
@@ -105,7 +105,6 @@ def build_model_from_config(config, layers: int | None, dtype: torch.dtype):
     auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):  # fused attention, as the real kernels (see meta_attention.py)
         model = auto.from_config(config, dtype=dtype, attn_implementation=meta_attention.register())
-    attention.select(model)   # segment attention where a real run selects it (compile_start.py)
     return model.train()
 
 
@@ -183,10 +182,11 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
         return gm.forward  # meta execution: shapes only
 
     torch._dynamo.reset()
-    from . import compile_start, output_hooks
+    from . import compile_start
     compile_start.register()   # (reset drops Dynamo's callbacks; a later real compile needs this one)
-    output_hooks.install_requested_hooks(model)   # router logits etc. asked by the config (this backend
-                                                  # is not "megatrain", which the callback looks for)
+    # what the compile-start callback does for a real compile (this backend is not "megatrain",
+    # which it looks for): the output hooks the config asks for, and the attention a run selects
+    compile_start.prepare(model, (options or {}).get("attention", "segments"))
     compiled = torch.compile(model, backend=capture)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     compiled(input_ids=ids, labels=ids, use_cache=False, **text_positions(model, batch, seq))

@@ -91,7 +91,7 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         end = clock["compute"] = ran[k] = start + costs[k].seconds
         return start, end
 
-    def grad_offload(k: int, nbytes: int) -> tuple[float, float]:
+    def copy_out(k: int, nbytes: int) -> tuple[float, float]:   # gradients or a checkpoint, after run k
         start = max(clock["d2h"], ran[k])
         end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
         if not hw.overlap:
@@ -100,13 +100,6 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
 
     def evict(k: int, nbytes: int) -> tuple[float, float]:   # instantaneous, on the compute stream
         return clock["compute"], clock["compute"]
-
-    def offload(k: int, nbytes: int) -> tuple[float, float]:   # a checkpoint out, after its run
-        start = max(clock["d2h"], ran.get(k, clock["compute"]))
-        end = clock["d2h"] = start + nbytes / (hw.d2h_gbps * 1e9)
-        if not hw.overlap:
-            clock["compute"] = end
-        return start, end
 
     def reload(k: int, nbytes: int) -> tuple[float, float]:    # a checkpoint in, before run k
         start = max(clock["h2d"], clock["compute"])
@@ -117,8 +110,8 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         return start, end
 
     # one handler per schedule op (the executor and the memory plan have theirs)
-    handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": grad_offload, "evict": evict,
-                "offload": offload, "reload": reload}
+    handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": copy_out, "evict": evict,
+                "offload": copy_out, "reload": reload}
     for step in steps:
         k, cost = step.segment, costs[step.segment]
         nbytes = step.nbytes or (cost.grad_bytes if step.op == "grad_offload" else 0)

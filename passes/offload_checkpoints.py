@@ -63,14 +63,14 @@ def _reload(program: fx.GraphModule, positions, device) -> int:
     moved = 0
     for p in sorted(positions):
         ph = placeholders[p]
-        readers = [u for u in ph.users]
+        readers = list(ph.users)
         first_run = min((runs.index(u) for u in readers if u in runs), default=None)
         if first_run is None:
             continue   # (read between segments only: leave it as is)
         consumer = runs[first_run]
         # issued before the run ahead of its consumer: the copy runs under that segment's compute
         before = runs[first_run - 1] if first_run > 0 else consumer
-        before = min([before, *[u for u in readers]], key=nodes.index)
+        before = min([before, *readers], key=nodes.index)
         with program.graph.inserting_before(before):
             node = program.graph.call_function(SCHEDULE_OPS["reload"], (_segment_of_run(consumer), ph, device))
         nbytes = logical_bytes(ph.meta.get("val"))

@@ -27,8 +27,7 @@ import torch.fx as fx
 from torch.profiler import record_function
 
 from ..errors import ResidencyError
-from ..ir import (FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, dispatch, host_values, liveness,
-                  segment_calls)
+from ..ir import FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, dispatch, host_values, liveness
 from .weight_pool import DeviceWeightPool
 
 
@@ -75,12 +74,12 @@ class DirectionRunner:
                 self.placeholders.append((n.name, weight))
         weight_names = {name: idx for name, idx in self.placeholders if idx is not None}
         self.bodies, self.body_of = compiled.bodies, compiled.body_of
-        # each run's inputs as the program names them (a pass may have rerouted one, e.g. through
-        # a checkpoint reload)
-        runs = {n.meta[STEP].segment: n for n in self.schedule.program.graph.nodes
-                if STEP in n.meta and n.meta[STEP].op == "run"}
-        self.calls = [Call(compiled.body(k), [(a.name, weight_names.get(a.name)) for a in runs[k].args],
-                           list(n.meta[SEGMENT]["outputs"])) for k, n in enumerate(segment_calls(top))]
+        # each run as the program writes it (a pass may have rerouted an input, e.g. through a
+        # checkpoint reload; the run node carries its segment's SEGMENT tag)
+        runs = sorted((n for n in self.schedule.program.graph.nodes if STEP in n.meta and n.meta[STEP].op == "run"),
+                      key=lambda n: n.meta[STEP].segment)
+        self.calls = [Call(compiled.body(n.meta[STEP].segment), [(a.name, weight_names.get(a.name)) for a in n.args],
+                           list(n.meta[SEGMENT]["outputs"])) for n in runs]
         # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
         self.plan = compiled.plan
         self.transient = compiled.transient
@@ -220,9 +219,7 @@ class DirectionRunner:
         run.host[node.name] = self.program.checkpoints.offload(run.env[node.args[1].name])
 
     def _reload(self, run: _Run, node: fx.Node) -> None:
-        source = node.args[1].name
-        value = run.host[source] if source in run.host else run.env[source]
-        run.env[node.name] = self.program.checkpoints.reload(value)
+        run.env[node.name] = self.program.checkpoints.reload(run.host[node.args[1].name])   # (a host value)
 
     def _value(self, run: _Run, node: fx.Node) -> None:
         """Any other op between segments, computed as the graph says."""

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from ...ir_ops import segment_attention, segment_attention_backward
-from .segment_attention import memoized, new_output, tiled_backward, tiled_forward
+from .segment_attention import memoized, new_output, padded, tiled_backward, tiled_forward
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -45,6 +45,11 @@ def _packing(seg: Tensor):
     return rows.to(seg.device, non_blocking=True), cu.to(seg.device, non_blocking=True), max_len, holes
 
 
+def _layout(seg: Tensor):
+    """_packing(seg), read from the host once per segment-id tensor (every layer shares it)."""
+    return memoized(seg, "packing", lambda: _packing(seg))
+
+
 def _flash_size(q: Tensor, v: Tensor) -> int:
     size = max(q.shape[-1], v.shape[-1])
     return -(-size // 8) * 8   # flash wants head sizes in multiples of 8 (zero columns are exact)
@@ -53,14 +58,13 @@ def _flash_size(q: Tensor, v: Tensor) -> int:
 def _use_flash(q: Tensor, v: Tensor, seg: Tensor, window: int) -> bool:
     if q.dtype not in _FLASH_DTYPES or _flash_size(q, v) > 256:
         return False
-    return not (window > 0 and memoized(seg, "packing", lambda: _packing(seg))[3])
+    return not (window > 0 and _layout(seg)[3])
 
 
 def _packed(t: Tensor, rows: Tensor, size: int) -> Tensor:
     """[b, h, s, d] -> [T, h, size]: the valid tokens, head size zero-padded to `size`."""
     b, h, s, d = t.shape
-    x = t.transpose(1, 2).reshape(b * s, h, d).index_select(0, rows)
-    return x if d == size else torch.nn.functional.pad(x, (0, size - d))
+    return padded(t.transpose(1, 2).reshape(b * s, h, d).index_select(0, rows), size=size)[0]
 
 
 def _scatter(into: Tensor, packed: Tensor, rows: Tensor) -> Tensor:
@@ -80,7 +84,7 @@ def _window(window: int) -> tuple[int, int]:
 
 
 def _flash_forward(q, k, v, seg, window, scale):
-    rows, cu, max_len, _ = memoized(seg, "packing", lambda: _packing(seg))
+    rows, cu, max_len, _ = _layout(seg)
     out = new_output(q, v)
     lse = torch.zeros(q.shape[:-1], dtype=torch.float32, device=q.device)
     if rows.numel() == 0:
@@ -98,7 +102,7 @@ def _flash_forward(q, k, v, seg, window, scale):
 
 
 def _flash_backward(dout, q, k, v, out, lse, seg, window, scale):
-    rows, cu, max_len, _ = memoized(seg, "packing", lambda: _packing(seg))
+    rows, cu, max_len, _ = _layout(seg)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if rows.numel() == 0:
         return dq, dk, dv
