@@ -90,6 +90,12 @@ def _hyper(group: dict) -> tuple:
     return (group["lr"], *group["betas"], group["eps"], group["weight_decay"])
 
 
+def _order(p) -> int:
+    """The order the forward reads `p` (-1: not in the store)."""
+    entry = entry_of(p)
+    return entry.order if entry is not None else -1
+
+
 def _available_host_bytes() -> int:
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -150,7 +156,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, overlap: bool | str = False, rollback_bytes: int | None = None,
-                 host_threads: int | None = None):
+                 host_threads: int | None = None, tier=None):
         if lr < 0 or eps < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"HostAdamW: invalid lr={lr}, betas={betas}, eps={eps} or weight_decay={weight_decay}")
         if overlap not in OVERLAP_MODES:
@@ -158,6 +164,9 @@ class HostAdamW(torch.optim.Optimizer):
                              "or 'backward' (each layer's update starts during the backward)")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.mode = Overlap.of(overlap)
+        # the state tier (runtime/state_tier.py) holding the moments (and masters) of the large
+        # parameters on NVMe; their `state` holds only the step count
+        self.tier = tier
         # threads of an overlapped update: all cores but two, left to the training thread (which
         # launches the device's kernels) and the gradient worker
         self.host_threads = host_threads if host_threads is not None else max(1, (os.cpu_count() or 2) - 2)
@@ -202,10 +211,12 @@ class HostAdamW(torch.optim.Optimizer):
             # decided once: half of what the host has free, less the moments not allocated yet
             # (they come with the first update)
             unborn = sum(2 * self._buffers(p)[0].numel() * 4 for g in self.param_groups for p in g["params"]
-                         if not self.state[p])
+                         if not self.state[p] and not self._tiered(p))
             self.rollback_bytes = max(0, _available_host_bytes() - unborn) // 2
         self._hyper = {p: _hyper(g) for g in self.param_groups for p in g["params"]}
         self.speculation = Speculation.ARMED
+        if self.tier is not None:   # read the state ahead in the order the gradients land (last layer first)
+            self.tier.expect(sorted(self._hyper, key=lambda p: -_order(p)))
         # the gradient paths of the programs that read these weights (runtime/grad_offload.py)
         self._offloaders = {o for g in self.param_groups for p in g["params"] if (e := entry_of(p)) is not None
                             for o in e.offloaders}
@@ -243,10 +254,15 @@ class HostAdamW(torch.optim.Optimizer):
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-optimizer")
         return self._pool
 
+    def _tiered(self, p) -> bool:
+        return self.tier is not None and p in self.tier
+
     def _snapshot_fits(self, p, weights) -> bool:
         if p in self._snap:
             return True
-        need = 3 * weights.numel() * 4
+        # a tiered parameter's state before the update stays in its committed slot on disk: only
+        # a master kept in RAM is copied
+        need = (0 if self.tier.holds_master(p) else weights.numel() * 4) if self._tiered(p) else 3 * weights.numel() * 4
         if self._snap_bytes + need > self.rollback_bytes:
             return False
         self._snap_bytes += need
@@ -261,13 +277,17 @@ class HostAdamW(torch.optim.Optimizer):
             weights, _ = self._buffers(p)
             state = self.state[p]
             snap = self._snap[p]
-            if snap is None:
+            if snap is None and self._tiered(p):
+                snap = self._snap[p] = (None if self.tier.holds_master(p) else torch.empty_like(weights),
+                                        None, None, torch.zeros(()))
+            elif snap is None:
                 snap = self._snap[p] = (torch.empty_like(weights), torch.empty_like(state["exp_avg"]),
                                         torch.empty_like(state["exp_avg_sq"]), torch.zeros(()))
-            for dst, src in zip(snap, (weights, state["exp_avg"], state["exp_avg_sq"], state["step"])):
-                dst.copy_(src)
+            for dst, src in zip(snap, (weights, state.get("exp_avg"), state.get("exp_avg_sq"), state["step"])):
+                if dst is not None:
+                    dst.copy_(src)
             self._norms[p] = squared_norm(grad, self.host_threads)
-            self._update(p, grad, hyper, 1.0, self.host_threads)
+            self._update(p, grad, hyper, 1.0, self.host_threads, speculative=True)
             self.counters["speculated"] += 1
         finally:
             entry.ready.set()
@@ -281,12 +301,19 @@ class HostAdamW(torch.optim.Optimizer):
         weights, low = self._buffers(p)
         state = self.state[p]
         master, exp_avg, exp_avg_sq, step = self._snap[p]
-        weights.copy_(master)
-        state["exp_avg"].copy_(exp_avg)
-        state["exp_avg_sq"].copy_(exp_avg_sq)
+        if self._tiered(p):   # its committed slot on disk still holds the state before the update
+            self.tier.discard(p)
+            if self.tier.holds_master(p):
+                master = self.tier.read(p, "master")
+            else:
+                weights.copy_(master)
+        else:
+            weights.copy_(master)
+            state["exp_avg"].copy_(exp_avg)
+            state["exp_avg_sq"].copy_(exp_avg_sq)
         state["step"].copy_(step)
         if low is not None:
-            low.copy_(weights)   # the transfer copy is the master rounded, as the update writes it
+            low.copy_(master)   # the transfer copy is the master rounded, as the update writes it
             _master_entry(p).synced_version = p._version
         self._nonfinite.pop(p, None)
         self.counters["rolled_back"] += 1
@@ -334,6 +361,8 @@ class HostAdamW(torch.optim.Optimizer):
         if not state:
             weights, _ = self._buffers(p)
             state["step"] = torch.tensor(0.0)
+            if self._tiered(p):   # (the tier starts with zero moments)
+                return
             state["exp_avg"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(weights, memory_format=torch.preserve_format)
 
@@ -361,6 +390,8 @@ class HostAdamW(torch.optim.Optimizer):
                 done = spec.pop(p, None)
                 undo = done is not None
                 if undo and grad_scale == 1.0 and self._read_this_grad(p, done) and done[2] == hyper:
+                    if self._tiered(p):
+                        self.tier.commit(p)
                     self.counters["kept"] += 1
                     continue
                 # (otherwise: clipped, or the gradient or the hyper-parameters changed since)
@@ -374,6 +405,8 @@ class HostAdamW(torch.optim.Optimizer):
         for p in spec:   # updated during the backward but not a parameter of any group now
             self._rollback(p)
         work.sort(key=lambda w: w[0])   # the order the forward reads the weights
+        if self.tier is not None:
+            self.tier.expect([w[1] for w in work])
         later = [w for w in work if w[0] >= 0] if self.mode is not Overlap.NONE else []
         for _, p, grad, hyper, undo in work if not later else [w for w in work if w[0] < 0]:   # outside the store: now
             self._update(p, grad, hyper, grad_scale, undo=undo)
@@ -404,15 +437,30 @@ class HostAdamW(torch.optim.Optimizer):
             error, self._error = self._error, None
             raise RuntimeError("megatrain: the overlapped optimizer step failed") from error
 
-    def _update(self, p, grad, hyper, grad_scale: float, threads: int = 0, undo: bool = False) -> None:
+    def _update(self, p, grad, hyper, grad_scale: float, threads: int = 0, undo: bool = False,
+                speculative: bool = False) -> None:
         """One parameter's update; `threads` > 0 runs the kernel on that many threads of its own
         (a host thread next to the training thread), 0 on torch's intra-op pool. `undo`: restore
-        the copy taken before this step's speculative update first."""
+        the copy taken before this step's speculative update first. `speculative`: a tiered
+        parameter's update is kept by `tier.commit` (step()) or undone by `_rollback`."""
         if undo:
             self._rollback(p)
         lr, beta1, beta2, eps, wd = hyper
         weights, low = self._buffers(p)
         state = self.state[p]
+        if self._tiered(p):
+            ext = kernel()
+            if ext is None or grad.dtype != torch.float32 or not grad.is_contiguous():
+                raise RuntimeError("megatrain: the state tier needs the fused host AdamW kernel (a C++ compiler and "
+                                   "ninja) and fp32 host gradients")
+            state["step"] += 1
+            master = None if self.tier.holds_master(p) else weights
+            bad = self.tier.update(p, grad, low, master, ext, hyper, int(state["step"].item()), grad_scale, threads,
+                                   speculative=speculative)
+            self._nonfinite[p] = bad > 0
+            if low is not None:
+                _master_entry(p).synced_version = p._version
+            return
         fast = (weights.device.type == "cpu" and weights.dtype == torch.float32 and weights.is_contiguous()
                 and grad.dtype == torch.float32 and grad.is_contiguous()
                 and (low is None or low.dtype in LOW_PRECISION))
@@ -460,18 +508,43 @@ class HostAdamW(torch.optim.Optimizer):
                         entry.spare_grad = p.grad
         super().zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
+    def _indexed(self) -> list[nn.Parameter]:
+        """The parameters in state_dict() index order."""
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self, moments: bool = True):
+        """torch's AdamW state dict. The tier's moments are read into it, unless `moments` is False
+        (then its parameters' entries hold only their step: checkpoints stream them instead)."""
         if self.armed:
             raise RuntimeError("HostAdamW.state_dict() between arm() and step(): the state holds speculative "
                                "updates; call step() or discard() first")
         self.synchronize()
-        return super().state_dict()
+        sd = super().state_dict()
+        if self.tier is not None and moments:
+            for i, p in enumerate(self._indexed()):
+                if self._tiered(p) and i in sd["state"]:   # (a new dict: torch's holds the live state's)
+                    sd["state"][i] = {**sd["state"][i], "exp_avg": self.tier.read(p, "exp_avg"),
+                                      "exp_avg_sq": self.tier.read(p, "exp_avg_sq")}
+        return sd
 
     def load_state_dict(self, state_dict) -> None:
+        """As torch's; the tiered parameters' moments in it go into the tier (absent: the tier's stay)."""
         if self.armed:
             self.discard()
         self.synchronize()
+        moved = {}
+        if self.tier is not None:
+            state = dict(state_dict["state"])
+            for i, p in enumerate(self._indexed()):
+                if self._tiered(p) and i in state:
+                    kept = dict(state[i])
+                    moved[p] = {k: kept.pop(k) for k in ("exp_avg", "exp_avg_sq") if k in kept}
+                    state[i] = kept
+            state_dict = {**state_dict, "state": state}
         super().load_state_dict(state_dict)
+        for p, arrays in moved.items():
+            if arrays:
+                self.tier.write(p, **{k: v.to(torch.float32) for k, v in arrays.items()})
         # torch casts state to the parameter's dtype: a bf16 parameter's moments belong to its
         # fp32 master (checkpoint.load shows the masters while loading, so this is a no-op there)
         for p, state in self.state.items():

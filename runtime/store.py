@@ -43,6 +43,9 @@ class WeightEntry:
     # optimizer updating it as its gradient lands listens to these, not to the process
     offloaders: "weakref.WeakSet" = field(default_factory=weakref.WeakSet)
     arena_row: object = None   # the host arena row holding its transfer copy (runtime/host_arena.py)
+    # the state tier holding its fp32 master (runtime/state_tier.py); `master` is then a 4-byte
+    # stand-in with the parameter's shape and the values are read and written through the tier
+    tier: object = None
 
     def __deepcopy__(self, memo) -> None:   # a copied parameter is a new weight: no entry yet
         return None
@@ -143,14 +146,18 @@ class WeightEntry:
         if self.master is None:
             return
         if p._version != self.synced_version:  # the user wrote the weights in place
-            self.master.copy_(p.detach())
+            if self.tier is not None:
+                self.tier.write(p, master=p.detach().float())
+            else:
+                self.master.copy_(p.detach())
         p.data = self.master
 
     def to_transfer(self) -> None:
         p = self.param
         if self.master is None:
             return
-        self.transfer.copy_(self.master)
+        if self.tier is None:   # (a tiered master is written only with its transfer copy: they agree)
+            self.transfer.copy_(self.master)
         p.data = self.transfer
         self.synced_version = p._version
 
@@ -237,6 +244,8 @@ def master_weight(p: nn.Parameter) -> torch.Tensor:
     if entry is not None:
         entry.wait_ready()
     entry = _master_entry(p)
+    if entry is not None and entry.tier is not None:
+        return entry.tier.read(p, "master")
     return entry.master if entry is not None else p.detach()
 
 
@@ -248,6 +257,10 @@ def set_master(p: nn.Parameter, value: torch.Tensor, name: str = "", pin: bool =
     with torch.no_grad():
         if entry.master is None:
             p.data.copy_(value)
+        elif entry.tier is not None:
+            entry.tier.write(p, master=value.to(torch.float32))
+            entry.transfer.copy_(value)
+            entry.synced_version = p._version
         else:
             entry.master.copy_(value)
             entry.to_transfer()

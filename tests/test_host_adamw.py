@@ -272,15 +272,18 @@ def test_a_store_entry_lives_on_its_parameter():
 
 
 # overlap="backward": speculative updates during the backward, exact by rollback -----------------
-def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=False, make=None, options=None):
+def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=False, make=None, options=None,
+                         tier=None):
     """Five steps through every outcome of a speculative step: kept (no clipping), skipped
     (rolled back), kept after gradient accumulation (speculating only in the last backward),
     clipped (rolled back, redone with the factor), then not speculated (paused after a clipped
-    step). Returns losses, norms, masters, moments, transfer copies, counters."""
+    step). Returns losses, norms, masters, moments, transfer copies, counters. `tier`: a
+    function of the model making the optimizer's state tier (tests/test_state_tier.py)."""
     torch._dynamo.reset()
     model = make() if make is not None else tiny_model("llama", layers=3, dtype=dtype)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **(options or {})})
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, overlap=overlap, rollback_bytes=rollback_bytes)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.01, overlap=overlap, rollback_bytes=rollback_bytes,
+                    tier=tier(model) if tier is not None else None)
     losses, norms = [], []
     for step, (max_norm, accumulation, skip) in enumerate([(1e9, 1, False), (1e9, 1, True), (1e9, 2, False),
                                                            (1e-3, 1, False), (1e9, 1, False)]):
@@ -302,8 +305,11 @@ def _train_with_schedule(dtype, overlap, rollback_bytes=None, scale_some_grads=F
             opt.step(grad_scale=min(1.0, max_norm / (norm + 1e-6)))
         opt.zero_grad()
     opt.synchronize()
-    state = {k: (master_weight(p).clone(), opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone(),
-                 float(opt.state[p]["step"]), p.data.clone()) for k, p in model.named_parameters()}
+    moments = opt.state_dict()["state"]   # (a tier's moments read back from its files)
+    state = {k: (master_weight(p).clone(), moments[i]["exp_avg"].clone(), moments[i]["exp_avg_sq"].clone(),
+                 float(moments[i]["step"]), p.data.clone()) for i, (k, p) in enumerate(model.named_parameters())}
+    if opt.tier is not None:
+        opt.tier.close()
     return losses, norms, state, dict(opt.counters)
 
 
