@@ -183,6 +183,7 @@ class Engine:
             raise ValueError(f"Engine: queue_depth={queue_depth}; use 1 or more")
         _check_space(self.paths, self.sizes)
         self.direct: list[bool] = []
+        self._pid = os.getpid()
         self._held: dict[int, torch.Tensor] = {}   # ticket -> buffer, until waited
         self._ext = kernel().Engine(int(queue_depth))
         self._finalizer = weakref.finalize(self, _close, self._ext, self._held, True)
@@ -270,7 +271,8 @@ class Engine:
             return
         self._finalizer.detach()
         try:
-            self.wait_all()
+            if os.getpid() == self._pid:   # (a forked child has no workers to wait for: it only lets go)
+                self.wait_all()
         finally:
             _close(self._ext, self._held, remove)
 

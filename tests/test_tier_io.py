@@ -337,3 +337,32 @@ def test_measure_ssd_on_tmp(tmp_path):
     assert list((tmp_path / "a").iterdir()) == [] and list((tmp_path / "b").iterdir()) == []
     with pytest.raises(ValueError, match="request"):
         tier_io.measure_ssd([tmp_path], request=1000)
+
+
+def test_forked_child_leaves_the_parents_files_alone(tmp_path):
+    """A forked child (a DataLoader worker) that closes or drops its copy of the engine neither
+    hangs on the parent's workers nor removes the parent's files; it cannot submit."""
+    e = _engine(tmp_path, [4 * PAGE])
+    data = _random(PAGE, 7)
+    e.wait(e.write(0, 0, data))
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - the child
+        code = 0
+        try:
+            e.read(0, 0, aligned_empty(PAGE))
+            code = 3                                  # submitting must fail here
+        except RuntimeError:
+            pass
+        try:
+            e.close()
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert e.paths[0].exists()
+    back = aligned_empty(PAGE)
+    e.wait(e.read(0, 0, back))
+    assert _same(back, data)
+    e.close()
+    assert not e.paths[0].exists()

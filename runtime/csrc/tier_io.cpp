@@ -91,7 +91,7 @@ struct File {
 
 class Engine {
  public:
-  explicit Engine(int64_t queue_depth) : queue_depth_(queue_depth < 1 ? 1 : queue_depth) {}
+  explicit Engine(int64_t queue_depth) : queue_depth_(queue_depth < 1 ? 1 : queue_depth), owner_(::getpid()) {}
   ~Engine() { close(true); }
 
   // Opens (creating it, mode 0600) and preallocates one file, then starts its workers. Returns
@@ -134,16 +134,17 @@ class Engine {
         return {err, "fallocate", in_use};
       }
     }
-    File* raw = file.get();
-    const int64_t index = static_cast<int64_t>(files_.size());
+    File* raw = file.get();   // (the workers get the File itself: files_ may grow while they start)
     files_.push_back(std::move(file));
-    for (int64_t i = 0; i < queue_depth_; ++i) raw->workers.emplace_back([this, index] { work(index); });
+    for (int64_t i = 0; i < queue_depth_; ++i) raw->workers.emplace_back([this, raw] { work(*raw); });
     return {0, "", in_use};
   }
 
   int64_t submit(int64_t file, bool write, int64_t offset, int64_t address, int64_t nbytes) {
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!closed_, "tier_io: the engine is closed");
+    TORCH_CHECK(::getpid() == owner_, "tier_io: the engine belongs to process ", owner_,
+                " (a forked child has none of its worker threads)");
     TORCH_CHECK(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
     File& f = *files_[file];
     TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset % kAlign == 0 && nbytes % kAlign == 0 &&
@@ -227,13 +228,24 @@ class Engine {
   }
 
   // Lets the queued requests finish, joins the workers, closes the files and, with `remove`, unlinks
-  // every file this engine created. Idempotent.
+  // every file this engine created. Idempotent. In a forked child (a DataLoader worker exiting) it only
+  // closes its copies of the descriptors: the workers and the files are the parent's.
   void close(bool remove) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (closed_) return;
       closed_ = true;   // workers drain their queue, then exit
       for (auto& f : files_) f->work.notify_all();
+    }
+    if (::getpid() != owner_) {
+      for (auto& f : files_) {
+        // the parent's threads do not exist here: their handles can be neither joined nor destroyed
+        new std::vector<std::thread>(std::move(f->workers));   // (leaked on purpose, once per child)
+        if (f->fd >= 0) ::close(f->fd);
+        f->fd = -1;
+      }
+      created_.clear();
+      return;
     }
     for (auto& f : files_) {
       for (auto& t : f->workers) t.join();
@@ -275,8 +287,7 @@ class Engine {
   }
 
  private:
-  void work(int64_t index) {
-    File& f = *files_[index];   // (files_ only grows, under mu_; its elements never move)
+  void work(File& f) {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       f.work.wait(lock, [&] { return closed_ || !f.queue.empty(); });
@@ -328,9 +339,13 @@ class Engine {
     }
     if (!f.direct && req.nbytes > 0) {
       if (req.write) {
-        const int rc = ::sync_file_range(f.fd, req.offset, req.nbytes,
-                                         SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                                             SYNC_FILE_RANGE_WAIT_AFTER);
+        int rc = ::sync_file_range(f.fd, req.offset, req.nbytes,
+                                   SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+        if (rc != 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP || errno == ESPIPE)) {
+          do {   // a file system without sync_file_range: the whole file, so the range is clean all the same
+            rc = ::fdatasync(f.fd);
+          } while (rc != 0 && errno == EINTR);
+        }
         if (rc != 0) return errno;
       }
       ::posix_fadvise(f.fd, req.offset, req.nbytes, POSIX_FADV_DONTNEED);
@@ -339,6 +354,7 @@ class Engine {
   }
 
   const int64_t queue_depth_;
+  const pid_t owner_;                // the process whose threads serve the queues
   std::mutex mu_;                    // guards everything below and every File's queue and counters
   std::condition_variable done_;     // a request completed
   std::vector<std::unique_ptr<File>> files_;
