@@ -31,6 +31,11 @@ complete checkpoint.
 Reading (`read`): every file is parsed and checked (sizes against trainer.json, formats, finite
 weights and moments) before anything in the model changes; `apply` then sets the masters, the
 optimizer state and the generators.
+
+An optimizer with a state tier (HostAdamW(tier=...): masters and moments in files on NVMe) saves
+and loads through checkpoint_tier.py, one shard at a time: the same model files, the tiered
+moments in optimizer-moments-0000k-of-0000n.safetensors beside optimizer.pt. Either format
+resumes with the tier on or off.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -133,6 +139,8 @@ def estimate_bytes(model: torch.nn.Module, optimizer) -> int:
         masters = 2 * sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
     state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
+    from .checkpoint_tier import estimate_tiered_bytes
+    state += estimate_tiered_bytes(optimizer)   # (a tier's moments are not in optimizer.state)
     if not optimizer.state:   # before the first step: AdamW's two fp32 moments per trainable weight
         state = sum(8 * p.numel() for g in optimizer.param_groups for p in g["params"])
     return masters + state + 2**20
@@ -208,9 +216,12 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"checkpoint-{step}.tmp"
+    from . import checkpoint_tier
     from .lora import is_lora, save_adapter
     adapter = is_lora(model)   # (LoRA: the adapter's weights only; the base model is model_name_or_path)
-    masters = _weights_to_save(model, trainable_only=adapter)
+    tier = checkpoint_tier.tier_of(optimizer)
+    # with a tier the masters are read one shard at a time while writing (never all in RAM)
+    masters = _weights_to_save(model, trainable_only=adapter) if tier is None else {}
     bad = [name for name, t in masters.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:   # never write a checkpoint that cannot be trained from
         raise TrainingError(f"step {step}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not "
@@ -222,14 +233,20 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     _make_room(out, step, need, limit)
     try:
         tmp.mkdir(parents=True)
-        _write_weights(masters, tmp)
+        if tier is None:
+            _write_weights(masters, tmp)
+        else:
+            checkpoint_tier.write_weights(model, tier, tmp, step, trainable_only=adapter)
         if adapter:   # as LLaMA-Factory's LoRA checkpoints: PeftModel.from_pretrained(base, checkpoint-N)
             save_adapter(model, tmp)
             if saver is not None:
                 saver.save_pretrained(tmp)
         else:
             _write_model_files(model, saver, tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if tier is None:
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        else:
+            checkpoint_tier.write_optimizer(optimizer, tmp, step)
         (tmp / "rng.json").write_text(json.dumps(rng_state.capture()))
         files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file()}
         (tmp / TRAINER).write_text(json.dumps({**trainer_state, "step": step, "files": files,
@@ -237,6 +254,9 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
         for f in tmp.iterdir():
             _fsync(f)
         _fsync(tmp)
+    except TrainingError:   # non-finite values met while streaming from the tier
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except (OSError, SafetensorError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -265,12 +285,16 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
 
 @dataclass
 class Loaded:
-    """A checkpoint read and checked, nothing applied yet."""
+    """A checkpoint read and checked, nothing applied yet. `masters`: a dict of every weight, or
+    (read(stream=True)) a checkpoint_tier.ShardedMasters that reads them from the files when
+    applied; `moments`: the checked moment shards of a checkpoint saved with a state tier (the
+    tiered moments are not in `optimizer` then), else None."""
     path: Path
-    masters: dict[str, torch.Tensor]
+    masters: Mapping[str, torch.Tensor]
     optimizer: dict
     rng: dict
     trainer: dict
+    moments: Any = None
 
     @property
     def step(self) -> int:
@@ -294,8 +318,12 @@ def _finite(tensors: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
-def read(path: str | Path) -> Loaded:
-    """Parse and check every file of a checkpoint; raises CheckpointError naming the file."""
+def read(path: str | Path, stream: bool | None = None) -> Loaded:
+    """Parse and check every file of a checkpoint; raises CheckpointError naming the file.
+    `stream`: check the weights tensor by tensor and keep none of them (Loaded.masters reads
+    them again when applied) and map optimizer.pt instead of reading it, for a run whose
+    optimizer has a state tier; None: stream when the checkpoint was saved with a tier."""
+    from . import checkpoint_tier
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a folder: resume_from_checkpoint takes a checkpoint-N folder, or true "
@@ -323,9 +351,11 @@ def read(path: str | Path) -> Loaded:
         actual = (path / name).stat().st_size
         if actual != size:
             raise _damaged(path, name, f"{actual} bytes where the checkpoint wrote {size}: truncated or changed")
-    masters = _read_weights(path)
+    if stream is None:   # (a tier's optimizer.pt names its moment shards: nothing to map)
+        stream = any(f.name.startswith(checkpoint_tier.MOMENTS + "-") for f in path.iterdir())
     try:
-        optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu")
+        # (streamed: mapped, so an optimizer.pt holding a large model's moments is never read whole)
+        optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu", mmap=bool(stream))
     except Exception as e:   # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise _damaged(path, "optimizer.pt", f"{type(e).__name__}: {why[:300]}") from None
@@ -337,6 +367,8 @@ def read(path: str | Path) -> Loaded:
     if bad := _finite(moments):
         raise CheckpointError(f"{path / 'optimizer.pt'}: the optimizer state {', '.join(bad[:3])} is not finite. "
                               + _elsewhere(path))
+    moments = checkpoint_tier.read_moments(path, optimizer) if "moments" in optimizer else None
+    masters = checkpoint_tier.ShardedMasters(path, _shards(path)) if stream else _read_weights(path)
     try:
         rng = rng_state.from_legacy(path / "rng.pt") if legacy_rng else json.loads((path / "rng.json").read_text())
         rng_state.check(rng)
@@ -345,7 +377,7 @@ def read(path: str | Path) -> Loaded:
     except Exception as e:   # noqa: BLE001 - a legacy pickle that weights_only refuses
         raise _damaged(path, "rng.pt",
                        f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
-    return Loaded(path, masters, optimizer, rng, trainer)
+    return Loaded(path, masters, optimizer, rng, trainer, moments)
 
 
 def _shards(path: Path) -> list[str]:
@@ -383,7 +415,10 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) -> dict[str, Any]:
     """Set weights, optimizer state and generators from a checkpoint that `read` checked;
-    returns its trainer.json. Everything that can mismatch is compared before anything is set."""
+    returns its trainer.json. Everything that can mismatch is compared before anything is set.
+    With a state tier (or a checkpoint saved with one) the masters and tiered moments go in one
+    tensor at a time (checkpoint_tier.py)."""
+    from . import checkpoint_tier
     path, masters = loaded.path, loaded.masters
     params = dict(model.named_parameters())
     if loaded.trainer.get("weights") == "trainable":   # (LoRA: the frozen rest came from model_name_or_path)
@@ -394,25 +429,37 @@ def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) 
     if missing or unexpected:
         raise CheckpointError(f"{path} does not match this model (missing {sorted(missing)[:3]}, unexpected "
                               f"{sorted(unexpected)[:3]}): resume with the same model_name_or_path and num_layers.")
+    streamed = isinstance(masters, checkpoint_tier.ShardedMasters)
     for name, p in params.items():
-        if masters[name].shape != p.shape:
-            raise CheckpointError(f"{path}: {name} has shape {tuple(masters[name].shape)}, the model {tuple(p.shape)}.")
+        shape = masters.shape(name) if streamed else tuple(masters[name].shape)
+        if tuple(shape) != tuple(p.shape):
+            raise CheckpointError(f"{path}: {name} has shape {tuple(shape)}, the model {tuple(p.shape)}.")
     saved_groups = loaded.optimizer["param_groups"]
     if [len(g["params"]) for g in optimizer.param_groups] != [len(g.get("params", ())) for g in saved_groups]:
         raise CheckpointError(f"{path / 'optimizer.pt'}: its parameter groups do not match this run's optimizer "
                               "(another model, num_layers or set of trainable weights).")
+    tier = checkpoint_tier.tier_of(optimizer)
+    split = None   # the optimizer state split by where it goes (into the tier or load_state_dict)
+    if tier is not None or loaded.moments is not None:
+        split = checkpoint_tier.plan_optimizer(loaded.optimizer, loaded.moments, optimizer, path / "optimizer.pt")
     in_store = {id(p) for p in store_parameters(model)}
-    for name, p in params.items():
+    for name, value in masters.items():   # (streamed: one tensor read at a time)
+        p = params.get(name)
+        if p is None:   # a persistent buffer
+            continue
         if id(p) in in_store:
-            set_master(p, masters[name], name, pin)
+            set_master(p, value, name, pin)   # (routed into the tier for a tiered weight)
         else:   # a VLM's vision side: on the device, trained in its own dtype
             with torch.no_grad():
-                p.data.copy_(masters[name])
+                p.data.copy_(value)
+        del value
     try:
         with masters_shown(params.values()):
-            optimizer.load_state_dict(loaded.optimizer)
+            optimizer.load_state_dict(loaded.optimizer if split is None else split.state_dict)
     except (ValueError, KeyError, RuntimeError) as e:
         raise CheckpointError(f"{path / 'optimizer.pt'} does not fit this run's optimizer ({e}).") from None
+    if tier is not None:
+        checkpoint_tier.write_tier(split, loaded.moments, tier)
     rng_state.restore(loaded.rng)
     return loaded.trainer
 
