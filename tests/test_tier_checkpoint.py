@@ -5,6 +5,7 @@ without it resumes with it on, masters and moments equal bit for bit to the save
 next step equal to the uninterrupted run's; damaged moment shards are refused by name."""
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -242,7 +243,7 @@ def test_a_moment_of_another_shape_is_refused_before_anything_is_set(saved, tmp_
         opt.tier.close()
 
 
-def test_non_finite_state_in_the_tier_writes_no_checkpoint(saved, tmp_path):
+def test_non_finite_state_or_a_tier_error_writes_no_checkpoint(saved, tmp_path):
     out = _copy(saved["all"], tmp_path).parent
     model, opt = _fresh("all", tmp_path)
     try:
@@ -257,6 +258,15 @@ def test_non_finite_state_in_the_tier_writes_no_checkpoint(saved, tmp_path):
         opt.tier.write(p, exp_avg=torch.zeros(p.shape), master=bad)
         with pytest.raises(TrainingError, match="step 3: the weights .* are not finite"):
             checkpoint.save(out, 3, model, opt, TRAINER)
+        opt.tier.write(p, master=torch.zeros(p.shape))
+
+        def failing(q, which):   # what tier_io raises for a failed request (an OSError naming the file)
+            raise OSError(errno.EIO, "Input/output error", str(opt.tier.paths[0]))
+        opt.tier.read = failing
+        with pytest.raises(CheckpointError, match="checkpoint-3 is not written: reading the state tier failed "
+                                                  r"\(\[Errno 5\] Input/output error: .*drive0"):
+            checkpoint.save(out, 3, model, opt, TRAINER)
+        del opt.tier.read
         assert [f.name for f in out.iterdir()] == ["checkpoint-2"]   # no tmp left, the previous one intact
         assert checkpoint.read(out / "checkpoint-2").step == 2
     finally:

@@ -254,7 +254,7 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
         for f in tmp.iterdir():
             _fsync(f)
         _fsync(tmp)
-    except TrainingError:   # non-finite values met while streaming from the tier
+    except (TrainingError, CheckpointError):   # non-finite values or a tier I/O error, met while streaming
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     except (OSError, SafetensorError, RuntimeError) as e:

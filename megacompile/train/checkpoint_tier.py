@@ -66,6 +66,16 @@ def _master_dtype(p: torch.nn.Parameter, tier) -> torch.dtype:
     return p.dtype
 
 
+def _from_tier(step: int, read, *args) -> torch.Tensor:
+    """`read(*args)`, a tier I/O error turned into one that says the checkpoint is not written."""
+    try:
+        return read(*args)
+    except OSError as e:   # (tier_io.TierIOError names the file, offset and errno)
+        raise CheckpointError(f"checkpoint-{step} is not written: reading the state tier failed ({e}); the previous "
+                              "checkpoints are intact. Check the tier's drive, then resume from the last checkpoint."
+                              ) from None
+
+
 def write_weights(model: torch.nn.Module, tier, folder: Path, step: int, trainable_only: bool = False) -> None:
     """model.safetensors (or its shards and index) as checkpoint._write_weights writes them for
     the same model, holding one shard of masters at a time; non-finite weights raise TrainingError
@@ -83,7 +93,8 @@ def write_weights(model: torch.nn.Module, tier, folder: Path, step: int, trainab
         shard = {}
         for name in names:
             s = sources[name]
-            shard[name] = master_weight(s).detach().contiguous() if isinstance(s, torch.nn.Parameter) else s
+            shard[name] = (_from_tier(step, master_weight, s).detach().contiguous()
+                           if isinstance(s, torch.nn.Parameter) else s)
         if bad := _finite(shard):   # never write a checkpoint that cannot be trained from
             raise TrainingError(
                 f"step {step}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not finite, so "
@@ -121,7 +132,7 @@ def write_optimizer(optimizer, folder: Path, step: int) -> None:
             shard = {}
             for key in keys:
                 i, name = key.split(".", 1)
-                shard[key] = tier.read(tiered[int(i)], name).contiguous()
+                shard[key] = _from_tier(step, tier.read, tiered[int(i)], name).contiguous()
             if bad := _finite(shard):
                 raise TrainingError(
                     f"step {step}: the optimizer state {', '.join(bad[:3])} is not finite, so checkpoint-{step} is not "
