@@ -136,10 +136,14 @@ def _inspect(args) -> int:
 def _plan(args) -> int:
     import json as _json
 
-    from .hardware import load_hardware
+    from .hardware import load_hardware, load_ssd
     from .plan import plan_model, to_text
     dtype = getattr(torch, args.dtype)
     hardware = load_hardware(args.gpu, dtype)
+    if args.nvme is None and args.nvme_placement in ("moments", "all"):
+        raise ConfigError(f"--nvme-placement {args.nvme_placement} needs --nvme PROFILE (the drives: gen4x4, "
+                          "gen5x4, a JSON profile or measure:DIR).")
+    ssd = load_ssd(args.nvme) if args.nvme is not None else None
     if args.host_ram is None and hardware.name != "cpu":
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with "
@@ -160,7 +164,7 @@ def _plan(args) -> int:
         prepare = lambda meta: apply_finetuning(meta, cfg)   # noqa: E731 (finetuning_type: freeze counts less)
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
                       slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision,
-                      prepare=prepare)
+                      prepare=prepare, ssd=ssd, placement=args.nvme_placement, accum=args.accum)
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -244,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "keep: the logits are computed and returned (torch.compile's default)")
     pl.add_argument("--vision", default="frozen", choices=["frozen", "train"],
                     help="a vision-language model's vision tower: frozen (default) or trained (on the device)")
+    pl.add_argument("--nvme", metavar="PROFILE",
+                    help="plan the NVMe state tier (fp32 masters / AdamW moments on disk) on these drives: gen4x1, "
+                         "gen4x4, gen5x1, gen5x4 (4 drives in RAID0: 27 / 11 GB/s), a JSON profile "
+                         "({name, read_gbps, write_gbps, paths, capacity_gib}) or measure:DIR[,DIR...]")
+    pl.add_argument("--nvme-placement", default="auto", choices=["auto", "none", "moments", "all"],
+                    help="what goes to NVMe: auto (the least that fits the host RAM), none, moments (AdamW state: "
+                         "10 B/param left in RAM) or all (fp32 masters too: 6 B/param)")
+    pl.add_argument("--accum", type=positive_int, default=1,
+                    help="gradient accumulation steps: micro-batches per optimizer step (the tier reads and "
+                         "writes once per step, so more hides more of its I/O)")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
     # "--host-ram -5G" is a (bad) value, not an option: byte_size then says what is wrong with it

@@ -24,7 +24,9 @@ How it is derived (nothing here is a hand formula for a particular architecture)
 
 Host bytes per trainable parameter of a bf16/fp16 model: fp32 master 4 + AdamW m and v 8 +
 bf16 transfer copy 2 (pinned on CUDA) + fp32 gradient 4 = 18. An fp32 model's parameter is its
-own master and transfer copy: 16.
+own master and transfer copy: 16. With an SSD profile (`ssd=`, `megatrain plan --nvme`) the
+AdamW moments (placement "moments": 10 B/param in RAM) or the masters too ("all": 6) go to the
+NVMe state tier; tier_plan.py has the placement classes and the exposed SSD time per step.
 """
 from __future__ import annotations
 
@@ -36,11 +38,13 @@ import torch
 
 from .cost_model import body_seconds, optimizer_seconds
 from .errors import CannotFitError
-from .hardware import Hardware
+from .hardware import SSD, Hardware
 from .ir import Step, segment_calls
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
 from .simulate import SegmentCost, makespan, optimizer_bytes, simulate
+from .tier_plan import (PLACEMENTS, TIER_POOL_BYTES, TIER_READ_AHEAD, min_numel, nvme_lines, nvme_summary,
+                        ssd_capacity, ssd_seconds)
 from .vlm import store_parameters
 
 GiB = 2**30
@@ -65,16 +69,27 @@ def _fmt(n: float) -> str:
 
 @dataclass
 class HostBytes:
-    masters: int
-    optimizer_state: int
+    masters: int           # fp32 masters in RAM
+    optimizer_state: int   # AdamW moments in RAM
     transfer_copy: int
     grads: int
     pinned: int            # part of transfer_copy (pinned on CUDA so copies are asynchronous)
     process_overhead: int
+    ssd_masters: int = 0            # fp32 masters on NVMe (one copy)
+    ssd_optimizer_state: int = 0    # AdamW moments on NVMe (one copy)
+    tier_pool: int = 0              # RAM: the tier's bounce buffers (reads ahead, writes in flight)
+    placement: str = "none"         # what went to NVMe (tier_plan.PLACEMENTS)
 
     @property
     def total(self) -> int:
-        return self.masters + self.optimizer_state + self.transfer_copy + self.grads + self.process_overhead
+        """Bytes of host RAM."""
+        return (self.masters + self.optimizer_state + self.transfer_copy + self.grads + self.process_overhead
+                + self.tier_pool)
+
+    @property
+    def ssd_total(self) -> int:
+        """Bytes of disk: two slots of every extent (exact rollback of a speculative update)."""
+        return 2 * (self.ssd_masters + self.ssd_optimizer_state)
 
 
 def vision_device_bytes(model: torch.nn.Module, vision: str) -> int:
@@ -87,21 +102,56 @@ def vision_device_bytes(model: torch.nn.Module, vision: str) -> int:
     return weights * (4 if vision == "train" else 1)
 
 
-def host_bytes(model: torch.nn.Module, device_type: str) -> HostBytes:
-    masters = opt = transfer = grads = 0
+def host_bytes(model: torch.nn.Module, device_type: str, placement: str = "none") -> HostBytes:
+    """Host bytes of the store by part, with `placement`'s share of the tiered parameters'
+    masters and moments on NVMe instead (tier_plan.py). RAM + NVMe bytes are the all-in-RAM bytes.
+
+        >>> h = host_bytes(meta_llama_70b, "cuda", "all")   # ~6 B/param in RAM, 12 on NVMe (x2 slots)
+    """
+    from .errors import ConfigError
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"placement={placement!r}: use one of {', '.join(PLACEMENTS)}.")
+    masters = opt = transfer = grads = ssd_masters = ssd_opt = 0
+    smallest = min_numel()
     for p in store_parameters(model):
         n = p.numel()
         low = p.dtype in (torch.bfloat16, torch.float16)
+        tiered = placement != "none" and p.requires_grad and n >= smallest
         transfer += n * p.element_size() if low else 0
-        masters += 4 * n if p.requires_grad or not low else 0
+        if p.requires_grad or not low:
+            # (an fp32 parameter is its own transfer copy: it stays in RAM under any placement)
+            if tiered and low and placement == "all":
+                ssd_masters += 4 * n
+            else:
+                masters += 4 * n
         if p.requires_grad:
-            opt += 8 * n
+            if tiered:
+                ssd_opt += 8 * n
+            else:
+                opt += 8 * n
             grads += 4 * n
     if not transfer:  # fp32 model: the parameter is master and transfer copy
         pinned = masters if device_type == "cuda" else 0
     else:
         pinned = transfer if device_type == "cuda" else 0
-    return HostBytes(masters, opt, transfer, grads, pinned, PROCESS_OVERHEAD.get(device_type, GiB))
+    pool = min(TIER_POOL_BYTES, ssd_masters + ssd_opt)
+    return HostBytes(masters, opt, transfer, grads, pinned, PROCESS_OVERHEAD.get(device_type, GiB),
+                     ssd_masters, ssd_opt, pool, placement if ssd_masters + ssd_opt else "none")
+
+
+def tier_placement(model: torch.nn.Module, device_type: str, host_ram: int, ssd: SSD | None,
+                   want: str = "auto") -> str:
+    """What goes to NVMe: "none" without an SSD profile; an explicit `want` as asked; for "auto"
+    the first of none / moments / all whose host RAM total fits `host_ram` ("all" when none
+    does: the caller's fit check then says by how much it misses)."""
+    from .errors import ConfigError
+    if want != "auto" and want not in PLACEMENTS:
+        raise ConfigError(f"nvme placement {want!r}: use one of auto, {', '.join(PLACEMENTS)}.")
+    if ssd is None:
+        return "none"
+    if want != "auto":
+        return want
+    return next((p for p in PLACEMENTS if host_bytes(model, device_type, p).total <= host_ram), "all")
 
 
 # -- layer kinds ----------------------------------------------------------------------------
@@ -182,10 +232,15 @@ class BatchEstimate:
     overlap_forward_seconds: float | None = None    # the update under the next forward (overlap_optimizer=
                                                     # forward, or a clipped step under backward)
     host_checkpoint_bytes: int = 0   # layer checkpoints kept in host RAM between forward and backward
+    accum: int = 1                   # micro-batches per optimizer step (forward/backward are one's)
+    ssd_seconds: float = 0.0         # the NVMe tier's reads + writes per optimizer step
+    ssd_exposed_seconds: float = 0.0   # of which not hidden under the compute (tier_plan.py)
 
     @property
     def step_seconds(self) -> float:
-        return self.forward_seconds + self.backward_seconds + self.optimizer_seconds
+        """One optimizer step: `accum` forwards and backwards, the optimizer, the exposed SSD time."""
+        return (self.accum * (self.forward_seconds + self.backward_seconds) + self.optimizer_seconds
+                + self.ssd_exposed_seconds)
 
 
 @dataclass
@@ -208,22 +263,27 @@ class Plan:
     vision_bytes: int = 0              # device bytes of the VLM's vision side (outside the store)
     checkpoints_on_host: bool = False  # layer checkpoints offloaded (offload_checkpoints)
     mlp_tiles: int = 1                 # sequence tiles of each MLP (tile_mlp)
+    ssd: dict | None = None            # the SSD profile of the NVMe state tier (None: no tier asked)
+    ssd_capacity: int = 0              # bytes the tier may use on it (0: not known, not checked)
+    ssd_capacity_source: str = ""
+    accum: int = 1                     # micro-batches per optimizer step
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
     def tokens_per_s(self, b: BatchEstimate) -> float:
-        return b.batch * self.seq / b.step_seconds
+        return b.batch * b.accum * self.seq / b.step_seconds
 
     def to_dict(self) -> dict:
         d = {"version": 1, "model": self.model, "hardware": self.hardware, "seq": self.seq, "slots": self.slots,
-             "lookahead": self.lookahead, "host": {**asdict(self.host), "total": self.host.total},
+             "lookahead": self.lookahead,
+             "host": {**asdict(self.host), "total": self.host.total, "ssd_total": self.host.ssd_total},
              "host_ram": self.host_ram, "device_capacity": self.device_capacity,
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "checkpoints_on_host": self.checkpoints_on_host, "mlp_tiles": self.mlp_tiles,
-             "fits": self.fits, "problems": self.problems,
+             "accum": self.accum, "nvme": nvme_summary(self), "fits": self.fits, "problems": self.problems,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
         d["best_batch"] = self.best.batch if self.best else None
@@ -312,26 +372,40 @@ class _Model:
 def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: int = 4096,
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
                max_batch: int = 4096, options: dict | None = None, vision: str = "frozen",
-               prepare=None) -> Plan:
+               prepare=None, ssd: SSD | None = None, placement: str = "auto", accum: int = 1) -> Plan:
     """Plan training `source` (preset, config.json, model directory or a transformers config) on
     `hardware`, with megatrain compile `options` (default as `megatrain train` compiles: the
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
     tower is frozen or trained (megacompile/vlm.py). `prepare(meta_model)`, if given, runs before
-    anything is counted: a train config's finetuning_type freezing weights (train/finetuning.py)."""
+    anything is counted: a train config's finetuning_type freezing weights (train/finetuning.py).
+    `ssd` (hardware.load_ssd) plans the NVMe state tier: `placement` auto picks the first of
+    none / moments / all that fits the host RAM (tier_placement); every batch then carries the
+    SSD seconds of an optimizer step of `accum` micro-batches and the part of them exposed."""
     options = {"logits": "drop", **(options or {})}
     from .errors import ConfigError
     from .inspect import build_meta_model, check_positive
     from .vlm import VISION_MODES, is_vlm
     if vision not in VISION_MODES:
         raise ConfigError(f"vision={vision!r}: use one of {', '.join(VISION_MODES)}.")
-    check_positive(seq=seq, batch=batch, slots=slots, max_batch=max_batch)
+    check_positive(seq=seq, batch=batch, slots=slots, max_batch=max_batch, accum=accum)
     if host_ram is not None and (not isinstance(host_ram, int) or host_ram < 1):
         raise ConfigError(f"host_ram={host_ram!r}: give the host RAM in bytes (a positive integer).")
+    if placement != "auto" and placement not in PLACEMENTS:
+        raise ConfigError(f"nvme placement {placement!r}: use one of auto, {', '.join(PLACEMENTS)}.")
+    if ssd is None and placement in ("moments", "all"):
+        raise ConfigError(f"nvme placement {placement!r} needs an SSD profile (--nvme PROFILE, e.g. gen5x4).")
+    if ssd is not None:
+        from .hardware import load_ssd
+        ssd = load_ssd(ssd)   # (checked)
     model, config = build_meta_model(source, None, dtype)
     if prepare is not None:
         prepare(model)
     device_type = "cpu" if hardware.name == "cpu" else "cuda"
-    host = host_bytes(model, device_type)
+    if host_ram is None:
+        from .hardware import host_memory_bytes
+        host_ram = host_memory_bytes()
+    host = host_bytes(model, device_type, tier_placement(model, device_type, host_ram, ssd, placement))
+    capacity_ssd, capacity_source = ssd_capacity(ssd) if ssd is not None else (0, "")
     vlm = is_vlm(model)
     if vision == "train" and not vlm:
         raise ConfigError(f"vision='train' (--vision train): {source if isinstance(source, str) else 'the model'} "
@@ -352,9 +426,6 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, options) for b in (2, 4)]
     m = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
 
-    if host_ram is None:
-        from .hardware import host_memory_bytes
-        host_ram = host_memory_bytes()
     if device_type == "cpu":  # the CPU plays the device: its bytes come out of the same RAM
         capacity = max(0, host_ram - host.total)
     else:
@@ -394,11 +465,17 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 per_byte = optimizer_seconds(in_store, hardware) / moved
                 overlapped[mode] = times["forward"] + times["backward"] - times[mode] + after + makespan(
                     simulate(steps, costs, hardware, optimizer_s_per_byte=per_byte, optimizer=mode))
+        tiered = host.ssd_masters + host.ssd_optimizer_state
+        io, exposed = ssd_seconds(tiered, ssd.read_gbps, ssd.write_gbps, TIER_READ_AHEAD, times["forward"],
+                                  times["backward"], accum) if tiered else (0.0, 0.0)
+        # (the overlap runs on the last micro-batch; the ones before it are plain forwards + backwards)
+        before = (accum - 1) * (times["forward"] + times["backward"]) + exposed
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
                              captured=b in (2, 4) or b in m.checked,
-                             overlap_backward_seconds=overlapped.get("backward"),
-                             overlap_forward_seconds=overlapped.get("forward"),
-                             host_checkpoint_bytes=m.host_checkpoints(b))
+                             overlap_backward_seconds=_plus(overlapped.get("backward"), before),
+                             overlap_forward_seconds=_plus(overlapped.get("forward"), before),
+                             host_checkpoint_bytes=m.host_checkpoints(b), accum=accum, ssd_seconds=io,
+                             ssd_exposed_seconds=exposed)
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
     # which can move to a step whose bytes grow faster: a convex function, which the chord from
@@ -435,9 +512,14 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
                 vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host,
-                mlp_tiles=_mlp_tiles(config, options, seq))
+                mlp_tiles=_mlp_tiles(config, options, seq), ssd=ssd.to_dict() if ssd is not None else None,
+                ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum)
     _check(plan, m, p1, slope)
     return plan
+
+
+def _plus(seconds: float | None, more: float) -> float | None:
+    return None if seconds is None else seconds + more
 
 
 def _mlp_tiles(config, options: dict, tokens: int) -> int:
@@ -458,7 +540,13 @@ def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
         plan.problems.append(
             f"host RAM: the store needs {_fmt(need)} ({need / max(1, plan.model['parameters']):.1f} B/param) but "
             f"{_fmt(plan.host_ram)} is available: add at least {_fmt(need - plan.host_ram)} of host RAM "
-            f"(--host-ram {math.ceil(need / 1e9)}G), or train a smaller model.")
+            f"(--host-ram {math.ceil(need / 1e9)}G), {_nvme_advice(plan)}or train a smaller model.")
+    if plan.host.ssd_total and plan.ssd_capacity and plan.host.ssd_total > plan.ssd_capacity:
+        plan.problems.append(
+            f"NVMe: the state tier needs {_fmt(plan.host.ssd_total)} of disk (2 slots of "
+            f"{_fmt(plan.host.ssd_total // 2)} of {plan.host.placement}) but {_fmt(plan.ssd_capacity)} is "
+            f"{plan.ssd_capacity_source}: add drives or free space"
+            + (", or --nvme-placement moments with more host RAM" if plan.host.placement == "all" else "") + ".")
     if plan.max_batch < 1:
         hints = [f"batch 1 at --seq {plan.seq} peaks at {_fmt(p1)} on the device but {_fmt(plan.device_capacity)} "
                  "is usable"]
@@ -481,19 +569,33 @@ def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
             f"the largest batch that fits is {plan.max_batch}; use gradient accumulation for a larger effective batch.")
 
 
+def _nvme_advice(plan: Plan) -> str:
+    """What the NVMe tier would still free, for the host RAM message ("" when it is all out)."""
+    if plan.ssd is None:
+        return "or put optimizer state on NVMe with --nvme PROFILE (moments: 10 B/param in RAM, all: 6), "
+    if plan.host.placement != "all":
+        return "or --nvme-placement all (6 B/param in RAM), "
+    return ""
+
+
 def to_text(plan: Plan) -> str:
     m, hw = plan.model, plan.hardware
     h = plan.host
+
+    def where(on_disk: int) -> str:
+        return "" if not plan.ssd else f"   in RAM (+ {_fmt(on_disk)} on NVMe)" if on_disk else "   in RAM"
+    tier = bool(h.ssd_total)
     lines = [f"{m['source']} ({m['model_type']}): {m['parameters'] / 1e9:.2f}B parameters "
              f"({m['trainable'] / 1e9:.2f}B trainable), {m['layers']} layers of {m['layer_kinds']} kind(s), "
              f"{m['dtype']}; seq {plan.seq}; slots {plan.slots} (prefetch lookahead forward "
              f"{plan.lookahead['forward']}, backward {plan.lookahead['backward']}); hardware {hw['name']}",
              "",
-             "host RAM",
-             f"  fp32 master weights     {_fmt(h.masters):>12}",
-             f"  optimizer state (AdamW) {_fmt(h.optimizer_state):>12}",
+             "host RAM" + (f" (NVMe placement {h.placement})" if plan.ssd else ""),
+             f"  fp32 master weights     {_fmt(h.masters):>12}{where(h.ssd_masters)}",
+             f"  optimizer state (AdamW) {_fmt(h.optimizer_state):>12}{where(h.ssd_optimizer_state)}",
              f"  transfer copy           {_fmt(h.transfer_copy):>12}",
              f"  gradients (fp32)        {_fmt(h.grads):>12}",
+             *([f"  NVMe bounce buffers     {_fmt(h.tier_pool):>12}"] if h.tier_pool else []),
              f"  process overhead        {_fmt(h.process_overhead):>12}",
              f"  total                   {_fmt(h.total):>12}   of {_fmt(plan.host_ram)} "
              f"({'fits' if h.total <= plan.host_ram else 'DOES NOT FIT'})",
@@ -503,27 +605,35 @@ def to_text(plan: Plan) -> str:
                 "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
              *([f"long sequence: each MLP runs in {plan.mlp_tiles} sequence tiles (mlp_tiles)"]
                if plan.mlp_tiles > 1 else []),
+             *(["", *nvme_lines(plan, _fmt)] if plan.ssd else []),
              "",
              f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
              *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device "
                 "(taken out of the usable figure); "
                 "its activations (which grow with the images per batch) are not counted"] if plan.vision else []),
-             f"  {'batch':>6} {'peak':>12} {'forward':>10} {'backward':>10} {'optimizer':>10} {'step':>10} "
-             f"{'tokens/s':>10}"]
+             f"  {'batch':>6} {'peak':>12} {'forward':>10} {'backward':>10} {'optimizer':>10} "
+             + (f"{'ssd exposed':>12} " if tier else "") + f"{'step':>10} {'tokens/s':>10}"]
     for b in plan.batches:
         mark = " <- best" if plan.best is b else ""
         lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>11}{'*' if b.captured else ' '} "
                      f"{b.forward_seconds:>9.3f}s "
-                     f"{b.backward_seconds:>9.3f}s {b.optimizer_seconds:>9.3f}s {b.step_seconds:>9.3f}s "
-                     f"{plan.tokens_per_s(b):>10.0f}{mark}")
+                     f"{b.backward_seconds:>9.3f}s {b.optimizer_seconds:>9.3f}s "
+                     + (f"{b.ssd_exposed_seconds:>11.3f}s " if tier else "")
+                     + f"{b.step_seconds:>9.3f}s {plan.tokens_per_s(b):>10.0f}{mark}")
     lines.append("  (* captured at that batch; other peaks interpolated from batch 2 and 4)")
+    if plan.accum > 1 or tier:
+        lines.append(f"  (forward and backward are one micro-batch's; step = {plan.accum} x (forward + backward) + "
+                     "optimizer" + (" + the SSD time the compute does not hide" if tier else "") + ")")
     lines.append("")
     lines.append(f"largest batch that fits: {plan.max_batch}")
     if plan.best:
         b = plan.best
-        lines.append(f"best: batch {b.batch} x seq {plan.seq} -> {b.step_seconds:.3f} s/step, "
-                     f"{plan.tokens_per_s(b):,.0f} tokens/s with the optimizer after the backward")
-        tokens = b.batch * plan.seq
+        lines.append(f"best: batch {b.batch} x seq {plan.seq}" + (f" x accum {b.accum}" if b.accum > 1 else "")
+                     + f" -> {b.step_seconds:.3f} s/step, {plan.tokens_per_s(b):,.0f} tokens/s with the optimizer "
+                     "after the backward"
+                     + (f"; SSD exposed {b.ssd_exposed_seconds:.3f} s ({b.ssd_exposed_seconds / b.step_seconds:.1%} "
+                        f"of the step) of {b.ssd_seconds:.1f} s of I/O" if tier else ""))
+        tokens = b.batch * b.accum * plan.seq
         for seconds, how in ((b.overlap_backward_seconds, "during the backward (overlap_optimizer=backward, "
                                                           "norm not clipped)"),
                              (b.overlap_forward_seconds, "under the next forward (overlap_optimizer=forward, or "

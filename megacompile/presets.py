@@ -72,6 +72,12 @@ PRESETS: dict[str, dict] = {
     "llama-3.1-405b": dict(model_type="llama", vocab_size=128256, hidden_size=16384, intermediate_size=53248,
                            num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
                            max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    # a 175B-class dense model for planning (no released weights): GPT-3 175B's shape (hidden 12288,
+    # 96 layers, 96 heads, vocab 50257) as a llama, whose gated MLP of 32768 has GPT-3's 4 x 12288
+    # MLP's parameters: 96 x 1.81B + 1.24B embeddings = 175.2B
+    "dense-175b": dict(model_type="llama", vocab_size=50257, hidden_size=12288, intermediate_size=32768,
+                       num_hidden_layers=96, num_attention_heads=96, num_key_value_heads=96,
+                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),

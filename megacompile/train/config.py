@@ -28,6 +28,7 @@ from ..runtime.adamw import OVERLAP_MODES
 from ..vlm import VISION_MODES
 from . import finetuning, lf_keys, schedule
 from .report import REPORTS
+from .tier_keys import check_tier_keys
 
 STAGES = ("sft", "pt")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -160,6 +161,13 @@ class TrainConfig:
     overlap_optimizer: bool | str | None = _key("training", None, "AdamW on host threads: false, forward (true: "
                                                                   "under the next forward) or backward; none: "
                                                                   "backward on CUDA")
+    # the NVMe state tier (issue 18; tier_keys.py): fp32 masters / AdamW moments on disk
+    nvme: str | None = _key("training", None, "SSD profile of the state tier: gen4x1, gen4x4, gen5x1, gen5x4, a JSON "
+                                              "profile or measure:DIR[,DIR...]; null: all state in RAM")
+    nvme_paths: list | None = _key("training", None, "nvme: the directories of the tier's files, one per drive "
+                                                     "(default: the profile's paths)")
+    nvme_placement: str = _key("training", "auto", "nvme: what goes to disk: auto (the least that fits the host "
+                                                   "RAM), moments (AdamW state) or all (fp32 masters too)")
     # output
     output_dir: str = _key("output", "", "where checkpoints, logs and the final model go")
     logging_steps: int = _key("output", 10, "log every N steps")
@@ -228,6 +236,7 @@ class TrainConfig:
         need(self.save_total_limit is None or self.save_total_limit >= 1,
              f"save_total_limit={self.save_total_limit}: keep at least 1 checkpoint (or leave it unset).")
         self._check_data_and_eval()
+        check_tier_keys(self)
         finetuning.check_config(self)
         need(all(isinstance(k, str) for k in self.lr_scheduler_kwargs),
              f"lr_scheduler_kwargs={self.lr_scheduler_kwargs!r}: the keys are argument names (e.g. min_lr_rate).")

@@ -1,8 +1,10 @@
 """Will the run fit this machine? Asked of the model's architecture (meta device) before its
 weights are loaded, so a run that cannot fit stops in seconds, not after loading 100 GB.
 
-    preflight(model, device, vision)       host RAM the store needs against what this process can use
-                                           (MemAvailable or the cgroup limit of a container / Slurm job)
+    choose_tier(model, device, config)     the NVMe state tier's placement and SSD profile (nvme keys)
+    preflight(model, device, vision,       host RAM the store needs against what this process can use
+              placement, ssd)              (MemAvailable or the cgroup limit of a container / Slurm job),
+                                           with `placement`'s state on the SSD, whose free space is checked
     plan_check(model, config, device)      the step's device peak (megatrain plan) against the usable
                                            device memory: the GPU's free memory, or the RAM left on the CPU
 Both refuse with a PreflightError (exit code 3) that says what to change.
@@ -14,6 +16,7 @@ import dataclasses
 import torch
 
 from ..errors import CannotFitError
+from ..hardware import SSD
 from ..options import Options
 
 
@@ -21,21 +24,57 @@ class PreflightError(CannotFitError):
     """The run cannot fit this machine; the message says what to change."""
 
 
-def preflight(model, device: torch.device, vision: str = "frozen") -> str:
-    """Host RAM the store needs against what the machine has (refuses a run that cannot fit)."""
-    from ..hardware import host_memory_limit
+def choose_tier(model, device: torch.device, config) -> tuple[str, SSD | None]:
+    """(placement, SSD profile) of the NVMe state tier: ("none", None) without `nvme`; else the
+    profile (a `measure:` one measured now) with its paths set to the directories the tier's
+    files go into, and `nvme_placement` (auto: the least that fits this process's host RAM)."""
+    if config.nvme is None:
+        return "none", None
+    from ..hardware import host_memory_limit, load_ssd
+    from ..plan import tier_placement
+    from .tier_keys import tier_dirs
+    ssd = load_ssd(config.nvme)
+    ssd = dataclasses.replace(ssd, paths=tier_dirs(config, ssd.paths))
+    return tier_placement(model, device.type, host_memory_limit()[0], ssd, config.nvme_placement), ssd
+
+
+def preflight(model, device: torch.device, vision: str = "frozen", placement: str = "none",
+              ssd: SSD | None = None) -> str:
+    """Host RAM the store needs with `placement`'s state on `ssd` against what the machine has,
+    and the SSD bytes against the free space of its paths (refuses a run that cannot fit)."""
+    from ..hardware import free_bytes, host_memory_limit
     from ..plan import _fmt, host_bytes, vision_device_bytes
-    need = host_bytes(model, device.type)
+    if placement != "none" and ssd is None:
+        raise ValueError(f"preflight: placement {placement!r} needs the SSD profile (choose_tier's)")
+    need = host_bytes(model, device.type, placement)
     have, why = host_memory_limit()
     params = sum(p.numel() for p in model.parameters())
     on_device = vision_device_bytes(model, vision)
+    on_ssd = ""
+    if need.ssd_total:
+        on_ssd = (f"; NVMe ({ssd.name}, placement {need.placement}): masters {_fmt(need.ssd_masters)}, AdamW "
+                  f"{_fmt(need.ssd_optimizer_state)}, {_fmt(need.ssd_total)} on disk with the 2 slots, in "
+                  f"{', '.join(ssd.paths)}")
+    elif ssd is not None:
+        on_ssd = f"; NVMe ({ssd.name}) not needed: everything fits in RAM"
     text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {_fmt(need.total)} "
             f"(masters {_fmt(need.masters)}, AdamW {_fmt(need.optimizer_state)}, transfer copies "
-            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}) of {_fmt(have)} usable ({why}); device {device}"
+            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}"
+            + (f", tier buffers {_fmt(need.tier_pool)}" if need.tier_pool else "")
+            + f") of {_fmt(have)} usable ({why}){on_ssd}; device {device}"
             + (f" (vision tower, {vision}: {_fmt(on_device)} on it)" if on_device else ""))
     if need.total > have:
-        raise PreflightError(f"{text}: not enough host RAM. Free or add {_fmt(need.total - have)}, train a smaller "
-                             "model, or freeze part of it.")
+        advice = ("put optimizer state on NVMe (nvme: gen5x4 or measure:DIR, nvme_paths: [DIR])" if ssd is None
+                  else "nvme_placement: all" if need.placement != "all" else "")
+        raise PreflightError(f"{text}: not enough host RAM. Free or add {_fmt(need.total - have)}, "
+                             + (f"{advice}, " if advice else "") + "train a smaller model, or freeze part of it.")
+    if need.ssd_total:
+        free = free_bytes(ssd.paths)
+        if free < need.ssd_total:
+            raise PreflightError(f"{text}: not enough free disk for the state tier: it needs {_fmt(need.ssd_total)} "
+                                 f"but {_fmt(free)} is free in {', '.join(ssd.paths)}. Free "
+                                 f"{_fmt(need.ssd_total - free)}, add drives to nvme_paths, or use more host RAM "
+                                 "(nvme_placement: moments keeps the masters in RAM).")
     return text
 
 
@@ -55,10 +94,12 @@ def hardware_for(config, device: torch.device, dtype: torch.dtype):
     return dataclasses.replace(profile, device_memory_gib=free / 2**30), why
 
 
-def plan_check(model, config, device: torch.device) -> str:
+def plan_check(model, config, device: torch.device, placement: str | None = None, ssd: SSD | None = None) -> str:
     """The device half of the preflight, from `megatrain plan`: the step's device peak at
     per_device_train_batch_size x cutoff_len against the usable device memory (on the CPU, the
-    RAM left after the host store). Refuses a run that cannot fit, saying what to change."""
+    RAM left after the host store). Refuses a run that cannot fit, saying what to change. The
+    step time counts gradient_accumulation_steps and the NVMe tier's exposed SSD time
+    (`placement`, `ssd`: choose_tier's, which it calls when they are not given)."""
     from ..plan import _fmt, plan_model
     from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
@@ -66,9 +107,12 @@ def plan_check(model, config, device: torch.device) -> str:
     options = {k: v for k, v in config.megatrain.items()
                if k in ("recompute", "recompute_head", "logits", "mlp_tiles", "offload_checkpoints", "attention")}
     hardware, why = hardware_for(config, device, dtype)
+    if placement is None:
+        placement, ssd = choose_tier(model, device, config)
     plan = plan_model(model.config, hardware=hardware, seq=config.cutoff_len, batch=batch,
                       slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
-                      vision=config.vision, prepare=lambda meta: apply_finetuning(meta, config))
+                      vision=config.vision, prepare=lambda meta: apply_finetuning(meta, config), ssd=ssd,
+                      placement=placement if ssd is not None else "auto", accum=config.gradient_accumulation_steps)
     est = next((b for b in plan.batches if b.batch == batch), None)   # None: not even batch 1 fits
     if est is None or est.device_peak_bytes > plan.device_capacity:
         raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} does not fit the "
@@ -83,10 +127,12 @@ def plan_check(model, config, device: torch.device) -> str:
                              "In the config: lower per_device_train_batch_size or cutoff_len.")
     moved = (f"; layer checkpoints on the host: {_fmt(est.host_checkpoint_bytes)}" if est.host_checkpoint_bytes
              else "")
+    exposed = (f", of which {est.ssd_exposed_seconds:.2f} s waiting for the NVMe tier ({est.ssd_seconds:.2f} s of "
+               "I/O)" if est.ssd_seconds else "")
     return (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
             f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
             f"{_fmt(plan.device_weight_bytes)}{moved}); about "
-            f"{est.step_seconds * config.gradient_accumulation_steps:.2f} s/step ({why})")
+            f"{est.step_seconds:.2f} s/step{exposed} ({why})")
 
 
 def check_device(config) -> torch.device:
