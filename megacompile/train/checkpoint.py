@@ -44,10 +44,10 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
@@ -57,6 +57,9 @@ from ..errors import CannotFitError, MegatrainError, TrainingError
 from ..runtime.store import master_weight, masters_shown, set_master
 from ..vlm import store_parameters
 from . import rng_state
+
+if TYPE_CHECKING:
+    from .checkpoint_tier import Moments
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _PREV = re.compile(r"^checkpoint-(\d+)\.prev$")
@@ -294,7 +297,7 @@ class Loaded:
     optimizer: dict
     rng: dict
     trainer: dict
-    moments: Any = None
+    moments: Moments | None = None
 
     @property
     def step(self) -> int:
@@ -367,7 +370,7 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
     if bad := _finite(moments):
         raise CheckpointError(f"{path / 'optimizer.pt'}: the optimizer state {', '.join(bad[:3])} is not finite. "
                               + _elsewhere(path))
-    moments = checkpoint_tier.read_moments(path, optimizer) if "moments" in optimizer else None
+    tiered = checkpoint_tier.read_moments(path, optimizer) if "moments" in optimizer else None
     masters = checkpoint_tier.ShardedMasters(path, _shards(path)) if stream else _read_weights(path)
     try:
         rng = rng_state.from_legacy(path / "rng.pt") if legacy_rng else json.loads((path / "rng.json").read_text())
@@ -377,7 +380,7 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
     except Exception as e:   # noqa: BLE001 - a legacy pickle that weights_only refuses
         raise _damaged(path, "rng.pt",
                        f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
-    return Loaded(path, masters, optimizer, rng, trainer, moments)
+    return Loaded(path, masters, optimizer, rng, trainer, tiered)
 
 
 def _shards(path: Path) -> list[str]:
@@ -452,7 +455,6 @@ def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) 
         else:   # a VLM's vision side: on the device, trained in its own dtype
             with torch.no_grad():
                 p.data.copy_(value)
-        del value
     try:
         with masters_shown(params.values()):
             optimizer.load_state_dict(loaded.optimizer if split is None else split.state_dict)
