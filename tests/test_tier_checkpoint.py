@@ -271,3 +271,29 @@ def test_non_finite_state_or_a_tier_error_writes_no_checkpoint(saved, tmp_path):
         assert checkpoint.read(out / "checkpoint-2").step == 2
     finally:
         opt.tier.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_files_match_a_tier_off_save_for_any_dtype_and_frozen_weights(tmp_path, dtype, monkeypatch):
+    """The shard plan from names, shapes and dtypes equals the one from the tensors: fp32 weights
+    (their own masters, in RAM), low-precision ones (fp32 masters in the tier), frozen ones
+    (saved in their dtype), buffers; small shards so that the plan matters."""
+    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", SMALL_SHARD)
+    monkeypatch.setattr(checkpoint_tier, "MAX_SHARD_SIZE", SMALL_SHARD)
+    model = tiny_model("llama", layers=2, dtype=dtype)
+    for p in model.model.layers[0].parameters():
+        p.requires_grad_(False)
+    tier = _tier(model, tmp_path, "all")
+    try:
+        for folder, opt in (("on", HostAdamW([p for p in model.parameters() if p.requires_grad], tier=tier)),
+                            ("off", HostAdamW([p for p in model.parameters() if p.requires_grad]))):
+            (tmp_path / folder).mkdir()
+            checkpoint.save(tmp_path / folder, 1, model, opt, TRAINER)
+        on, off = _files(tmp_path / "on" / "checkpoint-1"), _files(tmp_path / "off" / "checkpoint-1")
+        assert len(on) > 2 and on == off
+        masters = checkpoint.read(tmp_path / "on" / "checkpoint-1").masters
+        assert isinstance(masters, dict)   # (no tiered moments yet: the tier-off format, read whole)
+        assert {t.dtype for t in masters.values()} == ({torch.float32, torch.bfloat16} if dtype == torch.bfloat16
+                                                       else {torch.float32})
+    finally:
+        tier.close()
