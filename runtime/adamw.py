@@ -148,6 +148,15 @@ class HostAdamW(torch.optim.Optimizer):
     without a step) restores every copy. Results equal the non-overlapped step's bit for bit
     (tests/test_host_adamw.py). `grad_norm()` is the global L2 norm of the gradients, with the
     speculatively updated weights' norms taken as they land.
+
+    `tier=StateTier(...)` (runtime/state_tier.py): the moments (and with placement "all" the fp32
+    masters) of the large parameters live in files on NVMe; their update reads each tile into a
+    bounce buffer, runs the same kernel on it and writes it back, with reads ahead in the order
+    the updates come (`arm()`: the backward's, last layer first; `step()`: the forward's). A
+    speculative update writes the tier's other slot, so its rollback copies nothing: only a
+    master kept in RAM is copied aside (4 bytes/param). Bit for bit the all-in-RAM results
+    (tests/test_state_tier.py); `state[p]` holds only the step count of a tiered parameter and
+    `state_dict()` reads its moments from the tier.
     """
 
     # the store's optimizer hooks leave this optimizer's parameters alone: it reads the fp32

@@ -27,6 +27,7 @@ whole tensor, so a tiered run equals an all-in-RAM one bit for bit (tests/test_s
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import threading
@@ -51,6 +52,37 @@ _ARRAYS = ("master", "exp_avg", "exp_avg_sq")
 
 def _padded(n: int) -> int:
     return -(-n // _PAD) * _PAD
+
+
+def _hold(path: Path) -> tuple[int, Path]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd, path
+
+
+def reclaim(directory: Path) -> list[Path]:
+    """Remove the tier files a killed run left in `directory` (their lock is free); returns them."""
+    gone = []
+    for lock in sorted(Path(directory).glob("megatrain-tier-*.lock")):
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:   # a live run's
+            os.close(fd)
+            continue
+        try:
+            for f in sorted(directory.glob(lock.name[:-len(".lock")] + "-*.bin")):
+                f.unlink(missing_ok=True)
+                gone.append(f)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    for f in gone:
+        log.warning("megatrain: removed %s, the state tier file of a run that ended without removing it", f)
+    return gone
 
 
 @dataclass(frozen=True)
@@ -83,12 +115,13 @@ class StateTier:
     parameter at a time. `pool_bytes` bounds the bounce buffers (reads ahead + writes in flight)."""
 
     def __init__(self, params, directories, placement: str, *, tile: int = TILE, queue_depth: int = 8,
-                 direct: bool = True, min_numel: int = MIN_NUMEL, pool_bytes: int = 256 << 20):
+                 direct: bool = True, min_numel: int | None = None, pool_bytes: int = 256 << 20):
         from . import tier_io
         if placement not in PLACEMENTS:
             raise ValueError(f"StateTier: placement={placement!r}; use one of {PLACEMENTS}")
         if tile <= 0 or tile % _PAD:
             raise ValueError(f"StateTier: tile={tile} must be a positive multiple of {_PAD} elements")
+        min_numel = MIN_NUMEL if min_numel is None else min_numel
         dirs = [Path(d) for d in directories]
         if not dirs:
             raise ValueError("StateTier: no directory for the tier's files")
@@ -99,7 +132,8 @@ class StateTier:
         ends = [0] * len(dirs)
         record = 0
         for name, p in params:
-            if not p.requires_grad or p.numel() < min_numel or p in self._params:
+            # (a VLM vision tower trained on the device keeps its state there)
+            if not p.requires_grad or p.numel() < min_numel or p.device.type != "cpu" or p in self._params:
                 continue
             arrays = _ARRAYS if placement == "all" and p.dtype in LOW_PRECISION else _ARRAYS[1:]
             tiles = []
@@ -111,10 +145,17 @@ class StateTier:
                 record += 1
             self._params[p] = _Param(name, arrays, tiles)
         self.slot_bytes = ends   # per file; the file holds two slots
+        self.reclaimed = [f for d in dirs for f in reclaim(d)]
         token = f"{os.getpid()}-{id(self):x}"
+        # held (flock) while the files live: a later run removes the files of a killed one
+        self._locks = [_hold(d / f"megatrain-tier-{token}.lock") for d in dict.fromkeys(dirs)]
         self.paths = [d / f"megatrain-tier-{token}-{i}.bin" for i, d in enumerate(dirs)]
-        self._engine = tier_io.Engine(self.paths, [max(2 * e, tier_io.ALIGN) for e in ends],
-                                      queue_depth=queue_depth, direct=direct)
+        try:
+            self._engine = tier_io.Engine(self.paths, [max(2 * e, tier_io.ALIGN) for e in ends],
+                                          queue_depth=queue_depth, direct=direct)
+        except BaseException:
+            self.close()
+            raise
         self._lock = threading.RLock()
         widest = max((t.nbytes(len(q.arrays)) for q in self._params.values() for t in q.tiles), default=tier_io.ALIGN)
         tiles = sum(len(q.tiles) for q in self._params.values())
@@ -274,6 +315,8 @@ class StateTier:
 
     def _pump(self) -> None:
         """Issue reads ahead while at least half the pool is free (the rest takes the writes)."""
+        for ticket in [t for t in self._writes if self._engine.done(t)]:   # their buffers are free again
+            self._retire(ticket)
         while self._queue and len(self._free) > self._count // 2:
             p, i = self._queue.popleft()
             q = self._params[p]
@@ -385,17 +428,23 @@ class StateTier:
 
     def close(self) -> None:
         """Drop the files (the state in them is lost: checkpoints are the way to keep it)."""
-        engine = getattr(self, "_engine", None)
-        if engine is None:
-            return
-        with self._lock:
-            try:
-                self._drop_ahead()
-                for ticket in list(self._writes):
+        engine, self._engine = getattr(self, "_engine", None), None
+        try:
+            if engine is not None:
+                with self._lock:
                     try:
-                        self._retire(ticket)
-                    except OSError:
-                        pass
-            finally:
-                self._engine = None
-                engine.close(remove=True)
+                        self._engine = engine
+                        self._drop_ahead()
+                        for ticket in list(self._writes):
+                            try:
+                                self._retire(ticket)
+                            except OSError:
+                                pass
+                    finally:
+                        self._engine = None
+                        engine.close(remove=True)
+        finally:
+            locks, self._locks = getattr(self, "_locks", []), []
+            for fd, path in locks:
+                path.unlink(missing_ok=True)
+                os.close(fd)

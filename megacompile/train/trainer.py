@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import json
@@ -31,6 +32,8 @@ import torch
 from .. import log as logs, vlm
 from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW, Overlap
+from ..runtime.state_tier import StateTier
+from ..runtime.tier_io import TierIOError
 from ..vlm import is_vlm
 from . import checkpoint, lora, resume, schedule, stream
 from .config import TrainConfig
@@ -40,7 +43,7 @@ from .finetuning import apply_finetuning
 from .flops import FlopCounter, device_peak
 from .images import image_inputs
 from .model_source import ModelSource
-from .preflight import PreflightError, check_device, plan_check, preflight  # noqa: F401 (PreflightError: API)
+from .preflight import PreflightError, check_device, choose_tier, plan_check, preflight  # noqa: F401 (PreflightError: API)
 from .report import open_reporter
 from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log
 
@@ -69,7 +72,7 @@ def check_packing(model) -> None:
                           "layers would carry state from one packed sample into the next. Set packing: false.")
 
 
-def make_optimizer(model, config: TrainConfig, device: torch.device) -> HostAdamW:
+def make_optimizer(model, config: TrainConfig, device: torch.device, tier=None) -> HostAdamW:
     """AdamW on the host (runtime/adamw.py: one pass per parameter that also refreshes its
     transfer copy; on host threads during the backward and the next forward as `overlap_optimizer`
     says, by default "backward" on CUDA); no weight decay on biases and norms."""
@@ -81,7 +84,7 @@ def make_optimizer(model, config: TrainConfig, device: torch.device) -> HostAdam
     return HostAdamW([{"params": decay, "weight_decay": config.weight_decay},
                       {"params": no_decay, "weight_decay": 0.0}],
                      lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-                     overlap=overlap)
+                     overlap=overlap, tier=tier)
 
 
 def _seed(seed: int) -> None:
@@ -107,8 +110,8 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     deleted or moved before the first step starts."""
     logs.console()   # the run log is this function's user interface
     device = check_device(config)
-    with RunDir(config) as run:
-        return _train(config, run, device, stop_at_step, progress)
+    with RunDir(config) as run, contextlib.ExitStack() as cleanup:   # (the state tier's files go at the end)
+        return _train(config, run, device, stop_at_step, progress, cleanup)
 
 
 def _resume_point(run: RunDir, config: TrainConfig) -> checkpoint.Loaded | None:
@@ -116,12 +119,14 @@ def _resume_point(run: RunDir, config: TrainConfig) -> checkpoint.Loaded | None:
     damaged newest checkpoint falls back to the newest one that loads (and says so)."""
     if run.resume_from is None:
         return None
+    # with the state tier, the masters stay on disk until they go into it (one tensor at a time)
+    stream = True if config.nvme is not None else None
     if config.resume_from_checkpoint is not True:
-        return checkpoint.read(run.resume_from)
+        return checkpoint.read(run.resume_from, stream=stream)
     damaged = []
     for path in reversed(checkpoint.checkpoints(run.out)):
         try:
-            loaded = checkpoint.read(path)
+            loaded = checkpoint.read(path, stream=stream)
         except checkpoint.CheckpointError as e:
             damaged.append(str(e).split(". ")[0])
             continue
@@ -161,6 +166,15 @@ def _last_checkpoint(out: Path) -> str:
     return f"the last checkpoint is {found[-1]}" if found else "no checkpoint was written"
 
 
+def _tier_error(e: BaseException) -> TierIOError | None:
+    """The state tier's I/O error behind `e` (an overlapped step re-raises it as its cause)."""
+    while e is not None:
+        if isinstance(e, TierIOError):
+            return e
+        e = e.__cause__
+    return None
+
+
 def _check_weights(optimizer, names: dict[int, str], step: int, out: Path) -> None:
     bad = [names.get(id(p), "?") for p in optimizer.nonfinite()]
     if bad:
@@ -169,7 +183,8 @@ def _check_weights(optimizer, names: dict[int, str], step: int, out: Path) -> No
                             f"weight_decay, or raise warmup_steps) and resume; {_last_checkpoint(out)}.")
 
 
-def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step: int | None, progress: bool) -> dict:
+def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step: int | None, progress: bool,
+           cleanup: contextlib.ExitStack) -> dict:
     out = run.out
     for note in [*config.notes, *run.notes]:   # (config.notes: LLaMA-Factory keys megatrain has no use for)
         say(f"[megatrain] {note}")
@@ -186,7 +201,8 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         say(tuning)
     if config.packing and config.stage == "sft":
         check_packing(arch)
-    say(preflight(arch, device, config.vision))
+    placement, ssd = choose_tier(arch, device, config)
+    say(preflight(arch, device, config.vision, placement, ssd))
     say(plan_check(arch, config, device))
     images = image_inputs(config, arch, source.processor)
     if config.streaming:
@@ -219,7 +235,14 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         cmodel = vlm.compile(model, vision=config.vision, options=compile_options)
     else:
         cmodel = torch.compile(model, backend="megatrain", options=compile_options)
-    optimizer = make_optimizer(model, config, device)
+    tier = None
+    if placement != "none":   # (before the optimizer: the masters move into the tier's files now)
+        tier = StateTier(list(model.named_parameters()), list(ssd.paths), placement, queue_depth=ssd.queue_depth)
+        cleanup.callback(tier.close)
+        say(f"[megatrain] state tier: {placement} of {len(tier)} parameters, {tier.nbytes / 2**30:.2f} GiB x 2 "
+            f"slots under {', '.join(str(p) for p in ssd.paths)}"
+            + (f" (removed {len(tier.reclaimed)} files a killed run left)" if tier.reclaimed else ""))
+    optimizer = make_optimizer(model, config, device, tier)
     scheduler = schedule.make_scheduler(optimizer, config, total)
     state = {"step": 0, "trained_tokens": 0, "skipped_steps": 0, "seconds": 0.0}
     if loaded is not None:
@@ -254,12 +277,19 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                              total, steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step,
                              evals=(EvalSchedule(config, total, steps_per_epoch), split.parts or split.examples),
                              flops=(FlopCounter(model), peak_tflops), saver=processor or tokenizer)
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        raise checkpoint.DiskSpaceError(f"the file system of {out} is full ({e}); {_last_checkpoint(out)}, "
-                                        "complete: make room, then resume with resume_from_checkpoint: true.") from None
-    except (torch.OutOfMemoryError, RuntimeError) as e:   # the plan's peak was not the real one
+    except (OSError, RuntimeError) as e:
+        tier_error = _tier_error(e)
+        if tier_error is not None:   # the state tier's files: the checkpoints are untouched
+            raise TrainingError(f"step {state['step'] + 1}: the state tier's I/O failed ({tier_error}); the optimizer "
+                                f"state in its files is lost with this run: {_last_checkpoint(out)}. Free the drive "
+                                "(or fix it), then resume with resume_from_checkpoint: true.") from None
+        if isinstance(e, OSError):
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise checkpoint.DiskSpaceError(f"the file system of {out} is full ({e}); {_last_checkpoint(out)}, "
+                                            "complete: make room, then resume with resume_from_checkpoint: "
+                                            "true.") from None
+        # the plan's peak was not the real one
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise
         raise PreflightError(f"step {state['step'] + 1} ran out of {device} memory "
@@ -269,7 +299,11 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     finally:
         bar.close()
         if optimizer.armed:   # a step that failed mid-backward: undo its speculative updates
-            optimizer.discard()
+            try:
+                optimizer.discard()
+            except (OSError, RuntimeError) as e:   # (a failed tier cannot undo: the error above says so)
+                if _tier_error(e) is None:
+                    raise
     optimizer.synchronize()
     _check_weights(optimizer, names, state["step"], out)
     reporter.close()
