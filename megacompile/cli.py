@@ -140,10 +140,6 @@ def _plan(args) -> int:
     from .plan import plan_model, to_text
     dtype = getattr(torch, args.dtype)
     hardware = load_hardware(args.gpu, dtype)
-    if args.nvme is None and args.nvme_placement in ("moments", "all"):
-        raise ConfigError(f"--nvme-placement {args.nvme_placement} needs --nvme PROFILE (the drives: gen4x4, "
-                          "gen5x4, a JSON profile or measure:DIR).")
-    ssd = load_ssd(args.nvme) if args.nvme is not None else None
     if args.host_ram is None and hardware.name != "cpu":
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with "
@@ -151,7 +147,8 @@ def _plan(args) -> int:
     host_ram = args.host_ram   # (bytes: byte_size)
     model, seq, slots, recompute, vision = args.model, args.seq, args.slots, args.recompute, args.vision
     logits, prepare = args.logits, None
-    if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots
+    nvme, placement, accum, nvme_paths = args.nvme, args.nvme_placement, args.accum, None
+    if model.endswith((".yaml", ".yml")):   # a `megatrain train` config: its model, cutoff_len, slots, tier
         from .train.config import load_config
         cfg = load_config(model)
         model = cfg.model_name_or_path
@@ -160,11 +157,22 @@ def _plan(args) -> int:
         recompute = cfg.megatrain.get("recompute", recompute)
         logits = cfg.megatrain.get("logits", logits)
         vision = cfg.vision
+        accum = accum or cfg.gradient_accumulation_steps
+        if nvme is None and cfg.nvme is not None:   # (--nvme plans other drives than the config's)
+            nvme, nvme_paths = cfg.nvme, cfg.nvme_paths
+            placement = cfg.nvme_placement if placement == "auto" else placement
         from .train.finetuning import apply_finetuning
         prepare = lambda meta: apply_finetuning(meta, cfg)   # noqa: E731 (finetuning_type: freeze counts less)
+    if nvme is None and placement in ("moments", "all"):
+        raise ConfigError(f"--nvme-placement {placement} needs --nvme PROFILE (the drives: gen4x4, gen5x4, a JSON "
+                          "profile or measure:DIR).")
+    ssd = load_ssd(nvme) if nvme is not None else None
+    if ssd is not None and nvme_paths:   # the config's directories: their free space is the disk checked
+        import dataclasses
+        ssd = dataclasses.replace(ssd, paths=tuple(nvme_paths))
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
                       slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision,
-                      prepare=prepare, ssd=ssd, placement=args.nvme_placement, accum=args.accum)
+                      prepare=prepare, ssd=ssd, placement=placement, accum=accum or 1)
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -249,15 +257,17 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--vision", default="frozen", choices=["frozen", "train"],
                     help="a vision-language model's vision tower: frozen (default) or trained (on the device)")
     pl.add_argument("--nvme", metavar="PROFILE",
-                    help="plan the NVMe state tier (fp32 masters / AdamW moments on disk) on these drives: gen4x1, "
+                    help="plan the NVMe state tier (fp32 masters / AdamW moments on disk; default: a train config's "
+                         "nvme keys) on these drives: gen4x1, "
                          "gen4x4, gen5x1, gen5x4 (4 drives in RAID0: 27 / 11 GB/s), a JSON profile "
                          "({name, read_gbps, write_gbps, paths, capacity_gib}) or measure:DIR[,DIR...]")
     pl.add_argument("--nvme-placement", default="auto", choices=["auto", "none", "moments", "all"],
                     help="what goes to NVMe: auto (the least that fits the host RAM), none, moments (AdamW state: "
                          "10 B/param left in RAM) or all (fp32 masters too: 6 B/param)")
-    pl.add_argument("--accum", type=positive_int, default=1,
+    pl.add_argument("--accum", type=positive_int,
                     help="gradient accumulation steps: micro-batches per optimizer step (the tier reads and "
-                         "writes once per step, so more hides more of its I/O)")
+                         "writes once per step, so more hides more of its I/O; default 1, or a train config's "
+                         "gradient_accumulation_steps)")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
     # "--host-ram -5G" is a (bad) value, not an option: byte_size then says what is wrong with it

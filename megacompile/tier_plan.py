@@ -107,8 +107,8 @@ def nvme_lines(plan, fmt) -> list[str]:
             f"GB/s), placement {s['placement']}",
             f"  fp32 master weights     {fmt(s['masters']):>12}   on NVMe",
             f"  optimizer state (AdamW) {fmt(s['optimizer_state']):>12}   on NVMe",
-            f"  disk needed             {fmt(s['disk_needed']):>12}   (2 slots per extent, for exact rollback) "
-            + (f"of {fmt(cap)} {s['capacity_source']}{fits}" if cap else f"; capacity {s['capacity_source']}"),
+            f"  disk needed             {fmt(s['disk_needed']):>12}   2 slots per extent (exact rollback)"
+            + (f" of {fmt(cap)} {s['capacity_source']}{fits}" if cap else f"; capacity {s['capacity_source']}"),
             f"  per step                read {s['read_per_step'] / 1e9:,.1f} GB + write "
             f"{s['written_per_step'] / 1e9:,.1f} GB = {s['seconds_per_step']:.1f} s of SSD time (once per optimizer "
             f"step, accum {s['accum']})",

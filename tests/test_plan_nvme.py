@@ -298,3 +298,19 @@ def test_choose_tier_and_preflight(tmp_path, wide_json, monkeypatch):
     with pytest.raises(PreflightError, match=r"nvme: gen5x4 or measure:DIR"):   # no tier asked: say how
         monkeypatch.setattr(megacompile.hardware, "host_memory_limit", lambda: (need["none"] - 1, "test"))
         preflight(model, cpu, "frozen")
+
+
+def test_plan_of_a_train_config_plans_its_tier_and_accumulation(wide_json, tmp_path, capsys):
+    drive = tmp_path / "nvme0"
+    drive.mkdir()
+    yaml = tmp_path / "train.yaml"
+    yaml.write_text(f"model_name_or_path: {wide_json}\ndataset: d\noutput_dir: {tmp_path / 'out'}\ncutoff_len: 64\n"
+                    f"gradient_accumulation_steps: 3\nnvme: gen4x4\nnvme_paths: [{drive}]\nnvme_placement: all\n")
+    assert main(["plan", str(yaml), "--gpu", "h100", "--host-ram", "1T", "--format", "json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["accum"] == 3 and plan["nvme"]["placement"] == "all"
+    assert plan["nvme"]["profile"]["paths"] == [str(drive)] and plan["nvme"]["capacity_source"].startswith("free on")
+    assert main(["plan", str(yaml), "--gpu", "h100", "--host-ram", "1T", "--format", "json", "--accum", "2",
+                 "--nvme-placement", "moments"]) == 0   # the command line wins
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["accum"] == 2 and plan["nvme"]["placement"] == "moments"
