@@ -104,10 +104,9 @@ def vision_device_bytes(model: torch.nn.Module, vision: str) -> int:
 
 def host_bytes(model: torch.nn.Module, device_type: str, placement: str = "none") -> HostBytes:
     """Host bytes of the store by part, with `placement`'s share of the tiered parameters'
-    masters and moments on NVMe instead (tier_plan.py). RAM + NVMe bytes are the all-in-RAM bytes.
-
-        >>> h = host_bytes(meta_llama_70b, "cuda", "all")   # ~6 B/param in RAM, 12 on NVMe (x2 slots)
-    """
+    masters and moments on NVMe instead (tier_plan.py). RAM + NVMe bytes are the all-in-RAM bytes
+    (plus the tier's bounce buffers). For llama-3-70b in bf16 on CUDA: "none" 18 B/param in RAM;
+    "moments" 10 in RAM, 8 on NVMe; "all" 6 in RAM, 12 on NVMe (`ssd_total`: 24, two slots)."""
     from .errors import ConfigError
     if placement not in PLACEMENTS:
         raise ConfigError(f"placement={placement!r}: use one of {', '.join(PLACEMENTS)}.")
