@@ -5,10 +5,12 @@ TierIOError naming the path, offset and errno, the files never outlive the engin
 counters and measure_ssd measure what moved."""
 from __future__ import annotations
 
+import ctypes
 import errno
 import gc
 import logging
 import math
+import mmap
 import os
 import threading
 import time
@@ -366,3 +368,49 @@ def test_forked_child_leaves_the_parents_files_alone(tmp_path):
     assert _same(back, data)
     e.close()
     assert not e.paths[0].exists()
+
+
+
+def _resident_pages(path) -> int:
+    """How many of the file's pages are in the page cache (mincore over a read-only mapping of it,
+    which by itself brings no page in)."""
+    size = os.path.getsize(path)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        base = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert base not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(base, size, vec) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(base, size)
+    finally:
+        os.close(fd)
+    return sum(v & 1 for v in vec)
+
+
+def test_buffered_io_leaves_nothing_in_the_page_cache(tmp_path):
+    """The fallback's point: what the tier writes or reads buffered does not stay in RAM."""
+    if tier_io.file_system_of(tmp_path) == "tmpfs":
+        pytest.skip("tmpfs: the page cache is the storage")
+    data = _random(64 * PAGE, 8)
+    control = tmp_path / "control.bin"                  # the measure works: a plain write stays cached
+    fd = os.open(control, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.pwrite(fd, data.numpy().tobytes(), 0)
+    finally:
+        os.close(fd)
+    assert _resident_pages(control) == 64
+    e = Engine([tmp_path / "buffered"], [64 * PAGE], _simulate_einval=True)
+    e.wait(e.write(0, 0, data))
+    assert _resident_pages(e.paths[0]) == 0
+    back = aligned_empty(64 * PAGE)
+    e.wait(e.read(0, 0, back))
+    assert _same(back, data) and _resident_pages(e.paths[0]) == 0
+    e.close()
