@@ -347,6 +347,10 @@ def test_forked_child_leaves_the_parents_files_alone(tmp_path):
     e = _engine(tmp_path, [4 * PAGE])
     data = _random(PAGE, 7)
     e.wait(e.write(0, 0, data))
+    e.inject(0, delay_us=200_000)   # a parent thread waits (and a worker sleeps) while the child forks
+    waiter = threading.Thread(target=e.wait, args=(e.read(0, 0, aligned_empty(PAGE)),))
+    waiter.start()
+    time.sleep(0.02)
     pid = os.fork()
     if pid == 0:   # pragma: no cover - the child
         code = 0
@@ -357,18 +361,27 @@ def test_forked_child_leaves_the_parents_files_alone(tmp_path):
             pass
         try:
             e.close()
+            del e                                     # (the C++ engine's destructor runs here too)
+            gc.collect()
         except BaseException:
             code = 4
         os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the engine")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
     assert e.paths[0].exists()
+    waiter.join()
+    e.inject(0)
     back = aligned_empty(PAGE)
     e.wait(e.read(0, 0, back))
     assert _same(back, data)
     e.close()
     assert not e.paths[0].exists()
-
 
 
 def _resident_pages(path) -> int:

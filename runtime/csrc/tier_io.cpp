@@ -91,8 +91,12 @@ struct File {
 
 class Engine {
  public:
-  explicit Engine(int64_t queue_depth) : queue_depth_(queue_depth < 1 ? 1 : queue_depth), owner_(::getpid()) {}
-  ~Engine() { close(true); }
+  explicit Engine(int64_t queue_depth)
+      : queue_depth_(queue_depth < 1 ? 1 : queue_depth), owner_(::getpid()), done_(new std::condition_variable) {}
+  ~Engine() {
+    close(true);
+    if (::getpid() != owner_) (void)done_.release();   // (see close: a forked child must not destroy it)
+  }
 
   // Opens (creating it, mode 0600) and preallocates one file, then starts its workers. Returns
   // (0, "", direct in use) or (errno, "open" | "fallocate", direct): the caller then closes the engine,
@@ -100,6 +104,7 @@ class Engine {
   // `simulate_einval` pretends so, for tests) reopens the file buffered.
   std::tuple<int, std::string, bool> add_file(const std::string& path, int64_t size, bool direct,
                                               bool simulate_einval) {
+    owned();
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!closed_, "tier_io: the engine is closed");
     TORCH_CHECK(size >= 0 && size % kAlign == 0, "tier_io: a file size must be a multiple of 4096");
@@ -141,10 +146,9 @@ class Engine {
   }
 
   int64_t submit(int64_t file, bool write, int64_t offset, int64_t address, int64_t nbytes) {
+    owned();
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(!closed_, "tier_io: the engine is closed");
-    TORCH_CHECK(::getpid() == owner_, "tier_io: the engine belongs to process ", owner_,
-                " (a forked child has none of its worker threads)");
     TORCH_CHECK(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
     File& f = *files_[file];
     TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset % kAlign == 0 && nbytes % kAlign == 0 &&
@@ -164,11 +168,12 @@ class Engine {
   // Blocks until the ticket's request has completed, then forgets the ticket. Returns (errno, file,
   // offset, nbytes, is_write); errno 0: done (also for a ticket already waited, by wait or wait_all).
   std::tuple<int, int64_t, int64_t, int64_t, bool> wait(int64_t ticket) {
+    owned();
     std::unique_lock<std::mutex> lock(mu_);
     TORCH_CHECK(ticket >= 0 && ticket < next_ticket_, "tier_io: no request has ticket ", ticket);
     auto it = tickets_.find(ticket);
     if (it == tickets_.end()) return {0, 0, 0, 0, false};
-    done_.wait(lock, [&] {
+    done_->wait(lock, [&] {
       auto at = tickets_.find(ticket);
       return at == tickets_.end() || at->second.status != kStatusPending;
     });
@@ -180,6 +185,7 @@ class Engine {
   }
 
   bool done(int64_t ticket) {
+    owned();
     std::lock_guard<std::mutex> lock(mu_);
     auto it = tickets_.find(ticket);
     return it == tickets_.end() || it->second.status != kStatusPending;
@@ -189,9 +195,10 @@ class Engine {
   // file, offset, nbytes, is_write) of the first (lowest ticket) that failed, errno 0 if none did;
   // tickets below `mark` are forgotten.
   std::tuple<int64_t, int, int64_t, int64_t, int64_t, bool> wait_all() {
+    owned();
     std::unique_lock<std::mutex> lock(mu_);
     const int64_t mark = next_ticket_;
-    done_.wait(lock, [&] {
+    done_->wait(lock, [&] {
       for (const auto& [ticket, out] : tickets_) {
         if (ticket >= mark) break;
         if (out.status == kStatusPending) return false;
@@ -210,6 +217,7 @@ class Engine {
   // fdatasync of every file (call after wait_all); then, for a buffered file, drops its now clean pages
   // from the page cache. Returns (errno, file) of the first failure, (0, -1) if none.
   std::tuple<int, int64_t> sync() {
+    owned();
     std::vector<std::pair<int, bool>> fds;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -231,21 +239,25 @@ class Engine {
   // every file this engine created. Idempotent. In a forked child (a DataLoader worker exiting) it only
   // closes its copies of the descriptors: the workers and the files are the parent's.
   void close(bool remove) {
+    if (::getpid() != owner_) {
+      // A forked child: the parent's workers do not exist here, and the mutex and condition variables
+      // are copies that may hold the parent's waiters (a broadcast or a destroy would wait for them
+      // forever), so none of them is touched. The child closes its descriptors and leaks the rest.
+      if (closed_) return;
+      closed_ = true;
+      for (auto& f : files_) {
+        if (f->fd >= 0) ::close(f->fd);
+        (void)f.release();
+      }
+      files_.clear();
+      created_.clear();
+      return;
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (closed_) return;
       closed_ = true;   // workers drain their queue, then exit
       for (auto& f : files_) f->work.notify_all();
-    }
-    if (::getpid() != owner_) {
-      for (auto& f : files_) {
-        // the parent's threads do not exist here: their handles can be neither joined nor destroyed
-        new std::vector<std::thread>(std::move(f->workers));   // (leaked on purpose, once per child)
-        if (f->fd >= 0) ::close(f->fd);
-        f->fd = -1;
-      }
-      created_.clear();
-      return;
     }
     for (auto& f : files_) {
       for (auto& t : f->workers) t.join();
@@ -261,6 +273,7 @@ class Engine {
 
   // (bytes_read, bytes_written, reads, writes, read_busy_s, write_busy_s, busy_s)
   std::tuple<int64_t, int64_t, int64_t, int64_t, double, double, double> counters() {
+    owned();
     std::lock_guard<std::mutex> lock(mu_);
     const auto now = Clock::now();
     return {bytes_read_, bytes_written_, reads_, writes_, read_busy_.total(now), write_busy_.total(now),
@@ -268,6 +281,7 @@ class Engine {
   }
 
   void reset_counters() {
+    owned();
     std::lock_guard<std::mutex> lock(mu_);
     const auto now = Clock::now();
     bytes_read_ = bytes_written_ = reads_ = writes_ = 0;
@@ -278,6 +292,7 @@ class Engine {
   }
 
   void inject(int64_t file, int64_t after_bytes, int error, int64_t delay_us) {
+    owned();
     std::lock_guard<std::mutex> lock(mu_);
     TORCH_CHECK(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
     File& f = *files_[file];
@@ -287,6 +302,13 @@ class Engine {
   }
 
  private:
+  // Every method but close() refuses to run in a forked child (its mutex may have been copied locked, and
+  // no worker would serve a request).
+  void owned() const {
+    TORCH_CHECK(::getpid() == owner_, "tier_io: this engine belongs to process ", owner_,
+                "; a forked child cannot use it");
+  }
+
   void work(File& f) {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
@@ -318,7 +340,7 @@ class Engine {
       (req.write ? bytes_written_ : bytes_read_) += moved;
       if (err == 0) ++(req.write ? writes_ : reads_);
       tickets_[req.ticket].status = err;
-      done_.notify_all();
+      done_->notify_all();
     }
   }
 
@@ -356,7 +378,7 @@ class Engine {
   const int64_t queue_depth_;
   const pid_t owner_;                // the process whose threads serve the queues
   std::mutex mu_;                    // guards everything below and every File's queue and counters
-  std::condition_variable done_;     // a request completed
+  std::unique_ptr<std::condition_variable> done_;   // a request completed
   std::vector<std::unique_ptr<File>> files_;
   std::vector<std::string> created_;
   std::map<int64_t, Outcome> tickets_;
