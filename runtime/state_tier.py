@@ -231,10 +231,7 @@ class StateTier:
                 if self._writes:
                     self._retire(next(iter(self._writes)))   # the oldest write in flight
                 elif self._ahead:   # every buffer holds a read ahead: give up the latest one
-                    key = next(reversed(self._ahead))
-                    ticket, buf = self._ahead.pop(key)
-                    self._engine.wait(ticket)
-                    self._free.append(buf)
+                    self._unread(next(reversed(self._ahead)))
                 else:   # pragma: no cover - the pool has at least 4 buffers
                     raise RuntimeError("StateTier: no bounce buffer free")
             return self._free.popleft()
@@ -297,21 +294,24 @@ class StateTier:
     def _drop_ahead(self) -> None:
         self._queue = deque()
         for key in list(self._ahead):
-            ticket, buf = self._ahead.pop(key)
-            try:
-                self._engine.wait(ticket)
-            finally:
-                self._free.append(buf)
+            self._unread(key)
+
+    def _unread(self, key) -> None:
+        """Drop a read ahead: its buffer comes back once the read is over (a failed read's
+        error goes with it: nobody uses its bytes, and a later read of them reports its own)."""
+        ticket, buf = self._ahead.pop(key)
+        try:
+            self._engine.wait(ticket)
+        except OSError:
+            pass
+        finally:
+            self._free.append(buf)
 
     def _forget(self, p) -> None:
         """Drop p's reads ahead (its committed state is about to change)."""
         with self._lock:
             for key in [k for k in self._ahead if k[0] is p]:
-                ticket, buf = self._ahead.pop(key)
-                try:
-                    self._engine.wait(ticket)
-                finally:
-                    self._free.append(buf)
+                self._unread(key)
 
     def _pump(self) -> None:
         """Issue reads ahead while at least half the pool is free (the rest takes the writes)."""
