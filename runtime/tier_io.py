@@ -20,6 +20,7 @@ import errno as errno_codes
 import logging
 import os
 import statistics
+import threading
 import time
 import uuid
 import weakref
@@ -185,6 +186,7 @@ class Engine:
         self.direct: list[bool] = []
         self._pid = os.getpid()
         self._held: dict[int, torch.Tensor] = {}   # ticket -> buffer, until waited
+        self._submitting = threading.Lock()         # (a ticket enters _held before wait_all can drop it)
         self._ext = kernel().Engine(int(queue_depth))
         self._finalizer = weakref.finalize(self, _close, self._ext, self._held, True)
         try:
@@ -224,8 +226,9 @@ class Engine:
 
     def _submit(self, file: int, offset: int, buf: torch.Tensor, write: bool) -> int:
         nbytes = self._check(file, offset, buf)
-        ticket = self._ext.submit(file, write, offset, buf.data_ptr(), nbytes)
-        self._held[ticket] = buf
+        with self._submitting:
+            ticket = self._ext.submit(file, write, offset, buf.data_ptr(), nbytes)
+            self._held[ticket] = buf
         return ticket
 
     def read(self, file: int, offset: int, buf: torch.Tensor) -> int:
@@ -252,8 +255,9 @@ class Engine:
     def wait_all(self) -> None:
         """Wait for every request submitted so far; raise the first error not yet raised."""
         mark, code, file, offset, nbytes, write = self._ext.wait_all()
-        for ticket in [t for t in self._held if t < mark]:
-            self._held.pop(ticket, None)
+        with self._submitting:
+            for ticket in [t for t in list(self._held) if t < mark]:   # (list(): other threads pop too)
+                self._held.pop(ticket, None)
         if code:
             raise _error(code, self.paths[file], offset, nbytes, "write" if write else "read")
 
@@ -284,8 +288,9 @@ class Engine:
 
     # -- measurement and tests -------------------------------------------------------
     def counters(self) -> dict:
-        """Bytes and requests moved successfully, and busy seconds: the time during which at least
-        one read (write; any) request was in flight, so bytes / busy seconds is the bandwidth."""
+        """Bytes and number of the requests that succeeded (a failed one counts nothing), and busy
+        seconds: the time during which at least one read (write; any) request was in flight, so
+        bytes / busy seconds is the bandwidth."""
         keys = ("bytes_read", "bytes_written", "reads", "writes", "read_busy_s", "write_busy_s", "busy_s")
         return dict(zip(keys, self._ext.counters()))
 

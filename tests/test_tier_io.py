@@ -5,6 +5,7 @@ TierIOError naming the path, offset and errno, the files never outlive the engin
 counters and measure_ssd measure what moved."""
 from __future__ import annotations
 
+import copy
 import ctypes
 import errno
 import gc
@@ -149,6 +150,7 @@ def test_injected_eio_names_path_offset_errno_and_spares_other_files(tmp_path):
                                                                         PAGE, "write")
     msg = str(err)
     assert str(e.paths[0]) in msg and str(5 * PAGE) in msg and "EIO" in msg and os.strerror(errno.EIO) in msg
+    assert str(copy.copy(err)) == msg   # (reduced and rebuilt, as when it crosses processes)
     with pytest.raises(TierIOError, match="read of 4096 bytes at offset 0"):
         e.wait(e.read(0, 0, aligned_empty(PAGE)))
     back = aligned_empty(PAGE)                     # the other file still works
@@ -321,10 +323,10 @@ def test_counters_count_bytes_exactly(tmp_path):
     assert (c["bytes_written"], c["writes"]) == (sum(pages) * PAGE, 5)
     assert (c["bytes_read"], c["reads"]) == (12 * PAGE, 3)
     assert 0 < max(c["read_busy_s"], c["write_busy_s"]) <= c["busy_s"] <= c["read_busy_s"] + c["write_busy_s"] + 1e-9
-    e.inject(0, error=errno.EIO)                     # a failed request moves nothing
+    e.inject(0, error=errno.EIO)                     # a failed request counts nothing
     with pytest.raises(TierIOError):
         e.wait(e.read(0, 0, aligned_empty(PAGE)))
-    assert e.counters()["reads"] == 3
+    assert e.counters()["reads"] == 3 and e.counters()["bytes_read"] == 12 * PAGE
     e.reset_counters()
     assert all(v == 0 for v in e.counters().values())
     e.close()
@@ -426,4 +428,43 @@ def test_buffered_io_leaves_nothing_in_the_page_cache(tmp_path):
     back = aligned_empty(64 * PAGE)
     e.wait(e.read(0, 0, back))
     assert _same(back, data) and _resident_pages(e.paths[0]) == 0
+    e.close()
+
+
+def test_threads_share_one_engine(tmp_path):
+    """Threads submitting and waiting at once (the training thread and the optimizer's host
+    thread), with another calling wait_all meanwhile: every read sees its own thread's last write."""
+    e = _engine(tmp_path, [4 * 8 * PAGE, 4 * 8 * PAGE], queue_depth=3)
+    failures = []
+    stop = threading.Event()
+
+    def worker(k: int) -> None:
+        try:
+            for round_ in range(15):
+                data = _random(8 * PAGE, 100 * k + round_)
+                back = aligned_empty(8 * PAGE)
+                e.wait(e.write(k % 2, (k // 2) * 8 * PAGE, data))
+                ticket = e.read(k % 2, (k // 2) * 8 * PAGE, back)
+                e.wait(ticket)
+                if not _same(back, data):
+                    failures.append((k, round_))
+        except Exception as error:   # (reported by the main thread)
+            failures.append(error)
+
+    def sweeper() -> None:
+        while not stop.is_set():
+            e.wait_all()
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    sweep = threading.Thread(target=sweeper)
+    sweep.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    sweep.join()
+    assert failures == []
+    e.wait_all()
+    assert not e._held and e.counters()["writes"] == e.counters()["reads"] == 8 * 15
     e.close()

@@ -337,8 +337,10 @@ class Engine {
       kind.stop(now);
       any_busy_.stop(now);
       f.moved += moved;
-      (req.write ? bytes_written_ : bytes_read_) += moved;
-      if (err == 0) ++(req.write ? writes_ : reads_);
+      if (err == 0) {   // (the counters count whole requests that succeeded, so bytes / busy is the bandwidth)
+        (req.write ? bytes_written_ : bytes_read_) += moved;
+        ++(req.write ? writes_ : reads_);
+      }
       tickets_[req.ticket].status = err;
       done_->notify_all();
     }
