@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno as errno_codes
 import logging
+import operator
 import os
 import statistics
 import threading
@@ -207,12 +208,19 @@ class Engine:
             raise
 
     # -- requests --------------------------------------------------------------------
+    def _file(self, file) -> None:
+        try:
+            index = operator.index(file)
+        except TypeError:
+            index = -1
+        if not 0 <= index < len(self.paths):
+            raise ValueError(f"Engine: file {file!r}; this engine has files 0..{len(self.paths) - 1}")
+
     def _check(self, file: int, offset: int, buf: torch.Tensor) -> int:
         """buf's size in bytes, after the checks a request needs before it is submitted (ValueError)."""
         if not self._finalizer.alive:
             raise ValueError("Engine: closed")
-        if not isinstance(file, int) or not 0 <= file < len(self.paths):
-            raise ValueError(f"Engine: file {file!r}; this engine has files 0..{len(self.paths) - 1}")
+        self._file(file)
         if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
             raise ValueError("Engine: the buffer must be a contiguous CPU tensor")
         nbytes = buf.numel() * buf.element_size()
@@ -227,7 +235,7 @@ class Engine:
     def _submit(self, file: int, offset: int, buf: torch.Tensor, write: bool) -> int:
         nbytes = self._check(file, offset, buf)
         with self._submitting:
-            ticket = self._ext.submit(file, write, offset, buf.data_ptr(), nbytes)
+            ticket = self._ext.submit(int(file), write, int(offset), buf.data_ptr(), nbytes)
             self._held[ticket] = buf
         return ticket
 
@@ -301,9 +309,8 @@ class Engine:
         """TEST HOOK: once file `file` has moved `after_bytes` more bytes, every following request
         on it fails with errno `error` (0: none), as if the syscall had returned it; `delay_us`
         sleeps before each request (a slow drive). inject(file) clears both."""
-        if not isinstance(file, int) or not 0 <= file < len(self.paths):
-            raise ValueError(f"Engine: file {file!r}; this engine has files 0..{len(self.paths) - 1}")
-        self._ext.inject(file, int(after_bytes), int(error), int(delay_us))
+        self._file(file)
+        self._ext.inject(int(file), int(after_bytes), int(error), int(delay_us))
 
 
 def measure_ssd(paths: list, bytes_per_path: int = 1 << 30, request: int = 1 << 20, queue_depth: int = 8,

@@ -130,9 +130,12 @@ class Engine {
     created_.push_back(path);   // (removed by close(remove=true), also after a failed preallocation)
     const bool in_use = file->direct;
     if (size > 0) {
-      // Preallocated so that a full disk fails here, before training, and not at some later step.
-      // (posix_fallocate returns the error number; it does not set errno.)
-      const int err = ::posix_fallocate(fd, 0, size);
+      // Preallocated so that a full disk fails here, before training, and not at some later step. Through
+      // a buffered descriptor: where the file system lacks fallocate, glibc emulates it with one-byte
+      // writes, which an O_DIRECT descriptor refuses. (posix_fallocate returns the error; errno is unset.)
+      const int pfd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
+      const int err = pfd < 0 ? errno : ::posix_fallocate(pfd, 0, size);
+      if (pfd >= 0) ::close(pfd);
       if (err != 0) {
         ::close(fd);
         file->fd = -1;
