@@ -45,7 +45,8 @@ def _train(args, directory: Path | None):
     megacompile.reset()
     model = _model(args.hidden, args.layers, args.vocab)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
-    tier = (StateTier(list(model.named_parameters()), [directory], "all") if directory is not None else None)
+    tier = (StateTier(list(model.named_parameters()), [directory], "all", min_numel=args.min_numel)
+            if directory is not None else None)
     opt = HostAdamW(model.parameters(), lr=1e-4, overlap="forward", tier=tier)
     g = torch.Generator().manual_seed(1)
     times = []
@@ -71,7 +72,14 @@ def _train(args, directory: Path | None):
 
 
 def measured(args) -> None:
-    root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="megatrain-nvme-"))
+    """Parts 1 and 2 of the module docstring."""
+    if args.dir is None:
+        with tempfile.TemporaryDirectory(prefix="megatrain-nvme-") as tmp:
+            return _measured(args, Path(tmp))
+    return _measured(args, Path(args.dir))
+
+
+def _measured(args, root: Path) -> None:
     reads, writes = [], []
     for _ in range(3):
         r, w = measure_ssd([root], bytes_per_path=int(args.probe_mib) << 20, repeat=1)
@@ -101,6 +109,54 @@ def measured(args) -> None:
         raise SystemExit("the tier's run differs from the all-in-RAM run")
 
 
+PLAN_MODELS = ("llama-3-70b", "gpt-oss-120b", "dense-175b")
+PLAN_RAM = (("256 GB", 256e9), ("512 GB", 512e9), ("1 TB", 1e12), ("1 TiB", 2.0**40), ("1.5 TB", 1.5e12))
+PLAN_DRIVES = ("gen5x1", "gen5x4")
+
+
+def planned(args) -> None:
+    """Fit and speed by host RAM and drives. One capture per model gives a micro-batch's forward
+    and backward seconds at each batch (they do not depend on the RAM); the placement and the RAM
+    it needs come from plan.host_bytes, the SSD time from tier_plan.ssd_seconds (the same
+    functions `megatrain plan --nvme` uses)."""
+    from megacompile.hardware import load_hardware, load_ssd
+    from megacompile.inspect import build_meta_model
+    from megacompile.plan import host_bytes, plan_model, tier_placement
+    from megacompile.tier_plan import TIER_READ_AHEAD, ssd_seconds
+    hw = load_hardware(args.gpu)
+    print(f"\nplanned on {args.gpu}, seq {args.plan_seq} x accum {args.accum} per step (tokens/s at the best batch; "
+          "the SSD time the compute does not hide in brackets)")
+    print("| model | host RAM | placement | RAM needed | disk (2 slots) | " + " | ".join(PLAN_DRIVES) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(PLAN_DRIVES))
+    for name in args.plan_models:
+        plan = plan_model(name, hardware=hw, host_ram=2**42, seq=args.plan_seq, ssd=load_ssd("gen5x4"),
+                          placement="all", accum=args.accum, max_batch=args.max_batch)
+        meta, _ = build_meta_model(name, None, torch.bfloat16)
+        for label, ram in PLAN_RAM:
+            cells = []
+            for drives in PLAN_DRIVES:
+                ssd = load_ssd(drives)
+                placement = tier_placement(meta, "cuda", int(ram), ssd)
+                need = host_bytes(meta, "cuda", placement)
+                if need.total > ram:
+                    cells.append("does not fit")
+                    continue
+                tiered = need.ssd_masters + need.ssd_optimizer_state
+                best = None
+                for b in plan.batches:
+                    if b.device_peak_bytes > plan.device_capacity:
+                        continue
+                    _, exposed = ssd_seconds(tiered, ssd.read_gbps, ssd.write_gbps, TIER_READ_AHEAD,
+                                             b.forward_seconds, b.backward_seconds, args.accum)
+                    step = args.accum * (b.forward_seconds + b.backward_seconds) + b.optimizer_seconds + exposed
+                    rate = b.batch * args.accum * args.plan_seq / step
+                    if best is None or rate > best[0]:
+                        best = (rate, exposed, step)
+                cells.append(f"{best[0]:,.0f} ({best[1]:.1f} s of {best[2]:.0f} s)" if best else "device: no fit")
+            print(f"| {name} | {label} | {placement} | {need.total / 2**30:,.0f} GiB | "
+                  f"{need.ssd_total / 2**40:.2f} TiB | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=None, help="a directory on the disk to measure (default: a new one in /tmp)")
@@ -111,8 +167,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--probe-mib", type=int, default=512, help="MiB written and read per bandwidth probe")
+    ap.add_argument("--min-numel", type=int, default=None, help="smallest tiered parameter (default: the tier's)")
+    ap.add_argument("--gpu", default="h200", help="hardware profile of the planned table")
+    ap.add_argument("--plan-seq", type=int, default=4096)
+    ap.add_argument("--accum", type=int, default=4)
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--plan-models", nargs="*", default=list(PLAN_MODELS))
+    ap.add_argument("--skip-measured", action="store_true", help="only the planned table")
     args = ap.parse_args()
-    measured(args)
+    if not args.skip_measured:
+        measured(args)
+    if args.plan_models:
+        planned(args)
 
 
 if __name__ == "__main__":

@@ -59,3 +59,9 @@ def test_long_context_benchmark_smoke_run():
     assert "longest sequence that fits" in out and "llama-3-8b" in out, out
     rows = [line.split() for line in out.splitlines() if line.startswith("    128 ")]
     assert rows and len(rows[0]) == 6, out   # seq, megatrain s and peak, eager s and peak, ratio
+
+
+def test_nvme_tier_benchmark_smoke_run():
+    out = run("nvme_tier.py", "--hidden", "64", "--layers", "1", "--vocab", "512", "--seq", "16", "--steps", "1",
+              "--warmup", "1", "--probe-mib", "4", "--min-numel", "1024", "--plan-models")
+    assert "bit-identical masters and moments: True" in out and "| tier (all: masters + moments) |" in out

@@ -203,7 +203,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         check_packing(arch)
     placement, ssd = choose_tier(arch, device, config)
     say(preflight(arch, device, config.vision, placement, ssd))
-    say(plan_check(arch, config, device))
+    say(plan_check(arch, config, device, placement, ssd))
     images = image_inputs(config, arch, source.processor)
     if config.streaming:
         data = _stream_data(config, source.tokenizer, images, sources)
