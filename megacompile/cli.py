@@ -108,7 +108,7 @@ def _check_output(path: str) -> Path:
 
 
 def _inspect(args) -> int:
-    from .hardware import load_hardware
+    from .hardware import load_hardware, load_ssd
     from .inspect import inspect_model, to_chrome_trace, to_json, to_svg, to_text
     if args.output:
         _check_output(args.output)
@@ -116,7 +116,8 @@ def _inspect(args) -> int:
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
                            options={"recompute": args.recompute, "logits": args.logits,
                                     "offload_checkpoints": args.offload_checkpoints, "mlp_tiles": args.mlp_tiles},
-                           overlap_optimizer=None if args.overlap_optimizer == "false" else args.overlap_optimizer)
+                           overlap_optimizer=None if args.overlap_optimizer == "false" else args.overlap_optimizer,
+                           ssd=load_ssd(args.nvme) if args.nvme else None, placement=args.nvme_placement)
     if args.format == "json":
         text = to_json(report)
     elif args.format == "chrome-trace":
@@ -227,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "backward (HostAdamW overlap='backward', megatrain train's default on CUDA); forward: "
                         "the last step's updates run under this forward, each before its segment's prefetch "
                         "(overlap='forward', or a clipped step); false: after the backward")
+    i.add_argument("--nvme", default=None, metavar="PROFILE",
+                   help="the NVMe state tier's drives (gen4x1/gen4x4/gen5x1/gen5x4, a JSON profile or measure:DIR): "
+                        "each update's reads and writes of masters/moments on an `ssd` stream")
+    i.add_argument("--nvme-placement", default="all", choices=["moments", "all"],
+                   help="what the tier holds: AdamW's moments, or the fp32 masters too (default)")
     i.add_argument("--show", default="schedule", choices=["graphs", "passes", "schedule", "memory"])
     i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
     i.add_argument("-o", "--output", help="write to this file instead of standard output")

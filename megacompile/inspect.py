@@ -195,12 +195,15 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
 
 def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq: int = 4096,
                   slots: int = 2, hardware: Hardware, dtype: torch.dtype = torch.bfloat16,
-                  options: dict | None = None, overlap_optimizer: str | None = None) -> dict[str, Any]:
+                  options: dict | None = None, overlap_optimizer: str | None = None, ssd=None,
+                  placement: str = "all") -> dict[str, Any]:
     """`overlap_optimizer` (simulate.py's host stream) "backward": the host optimizer updates
     each segment's weights during the backward, as soon as its gradient offload lands (HostAdamW
     overlap="backward", norm not clipped; `megatrain train`'s default on CUDA); "forward": the
     last step's updates run under this forward, each before its segment's prefetch
-    (overlap="forward", or a clipped step under "backward"); None: after the backward."""
+    (overlap="forward", or a clipped step under "backward"); None: after the backward.
+    `ssd` (a hardware.SSD) with `placement` ("moments" or "all"): the NVMe state tier's reads and
+    writes of each update, on simulate.py's `ssd` stream."""
     from .errors import ConfigError
     if overlap_optimizer not in (None, "backward", "forward"):
         raise ConfigError(f"overlap_optimizer={overlap_optimizer!r}: None, 'backward' or 'forward'")
@@ -211,15 +214,22 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     in_store = sum(p.numel() for p in store_parameters(model) if p.requires_grad)
     program = capture_program(model, batch, seq, slots, hardware, options)
+    tiered = 0   # masters/moments bytes on NVMe, read and written once per step
+    if ssd is not None:
+        from .plan import host_bytes
+        placed = host_bytes(model, "cuda", placement)
+        tiered = placed.ssd_masters + placed.ssd_optimizer_state
     directions, t, after = {}, 0.0, trainable
     for direction in ("forward", "backward"):
         done = program.compiled[direction]
         segs, costs = segment_report(done, program.capture, hardware)
-        per_byte = None
+        per_byte, tier = None, None
         if direction == overlap_optimizer and (nbytes := optimizer_bytes(done.schedule.steps, costs, direction)):
             per_byte, after = optimizer_seconds(in_store, hardware) / nbytes, trainable - in_store
+            if tiered:   # (each update's share of the tier's bytes, as its share of the optimizer's)
+                tier = (ssd.read_gbps, ssd.write_gbps, tiered / nbytes)
         steps = label_runs(simulate(done.schedule.steps, costs, hardware, t, optimizer_s_per_byte=per_byte,
-                                    optimizer=direction), direction, segs)
+                                    optimizer=direction, ssd=tier), direction, segs)
         t = makespan(steps, t)
         saved = 0
         if direction == "backward":   # (on the device: the checkpoints kept on the host are counted apart)
@@ -237,8 +247,15 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
             {name: body.code for name, body in done.bodies.items()}, done.schedule.program.code,
             done.plan.host_checkpoint_bytes if done.plan else 0)
     # (with the optimizer overlapped, t already holds its updates; what is left runs after)
-    forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream != "host"), default=t)
+    forward_backward = max((s.end for d in directions.values() for s in d.steps if s.stream not in ("host", "ssd")),
+                           default=t)
     opt_end = t + optimizer_seconds(after, hardware)
+    if tiered and overlap_optimizer is None:   # the tier streams under the update: reads, then writes
+        read_end = t + tiered / (ssd.read_gbps * 1e9)
+        directions["backward"].steps.append(TimedStep("tier_read", "ssd", -1, "all", tiered, t, read_end))
+        opt_end = max(opt_end, read_end)
+        directions["backward"].steps.append(TimedStep("tier_write", "ssd", -1, "all", tiered, read_end,
+                                                      read_end + tiered / (ssd.write_gbps * 1e9)))
     if opt_end > t:
         directions["backward"].steps.append(TimedStep("optimizer", "host", -1, "all", after, t, opt_end))
     return {
@@ -253,6 +270,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         "step_seconds": opt_end,
         "forward_backward_seconds": forward_backward,
         "overlap_optimizer": overlap_optimizer,
+        "nvme": ({"profile": ssd.name, "placement": placement, "bytes_per_step": tiered} if ssd is not None else None),
         "mlp_tiles": next((r[2] for r in program.pass_records.get("dynamo", []) if r[:2] == ("tile_mlp", "tiled")), []),
         "inspect_seconds": time.perf_counter() - t_start,
     }
@@ -278,6 +296,8 @@ def to_json(report: dict) -> str:
 def to_chrome_trace(report: dict) -> str:
     """Chrome trace-event JSON (open in Perfetto or chrome://tracing): one track per stream."""
     tids = {"compute": 1, "h2d": 2, "d2h": 3, "host": 4}
+    if report.get("nvme"):   # the state tier's drive
+        tids["ssd"] = 5
     events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": name}}
               for name, tid in tids.items()]
     for direction, d in report["directions"].items():
@@ -290,14 +310,15 @@ def to_chrome_trace(report: dict) -> str:
 
 
 _COLORS = {"prefetch": "#4e79a7", "forward": "#59a14f", "recompute": "#edc948", "backward": "#76b7b2",
-           "grad_offload": "#e15759", "optimizer": "#b07aa1", "wait": "#bab0ac"}
+           "grad_offload": "#e15759", "optimizer": "#b07aa1", "wait": "#bab0ac", "tier_read": "#9c755f",
+           "tier_write": "#ff9da7"}
 
 
 def to_svg(report: dict, width: int = 1400) -> str:
     """A timeline of the three streams (compute, h2d, d2h), forward then backward."""
     steps = [(direction, s) for direction, d in report["directions"].items() for s in d.steps if s.end > s.start]
     total = max((s.end for _, s in steps), default=0.0) or 1.0
-    lanes = {"compute": 0, "h2d": 1, "d2h": 2, "host": 3}
+    lanes = {"compute": 0, "h2d": 1, "d2h": 2, "host": 3, **({"ssd": 4} if report.get("nvme") else {})}
     left, lane_h, top = 90, 36, 40
     scale = (width - left - 20) / total
     height = top + lane_h * len(lanes) + 40
@@ -367,4 +388,10 @@ def to_text(report: dict, show: str) -> str:
                "forward": " (the last step's updates under this forward)"}.get(report.get("overlap_optimizer"), "")
     lines.append(f"\nestimated step: forward + backward {report['forward_backward_seconds'] * 1e3:.1f} ms, "
                  f"with the CPU optimizer {report['step_seconds'] * 1e3:.1f} ms" + overlap)
+    if report.get("nvme"):
+        n = report["nvme"]
+        ssd_steps = [s for d in report["directions"].values() for s in d.steps if s.stream == "ssd"]
+        lines.append(f"NVMe state tier ({n['profile']}, placement {n['placement']}): {_gib(n['bytes_per_step'])} "
+                     f"read and written per step; the ssd stream's tier_read / tier_write ops "
+                     f"({sum(s.end - s.start for s in ssd_steps) * 1e3:.1f} ms busy)")
     return "\n".join(lines)

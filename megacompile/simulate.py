@@ -17,6 +17,11 @@ With `optimizer_s_per_byte`, a fourth stream, `host`, runs the optimizer (runtim
     last step's update runs under this forward): the host updates the segments back to back
     from t0 in the order the forward fetches them, each lasting its weight bytes *
     optimizer_s_per_byte, and a segment's prefetch starts only after its update.
+With `ssd` (the NVMe state tier: read and write GB/s, state bytes per optimizer byte), a fifth
+stream, `ssd`, moves each update's masters/moments: `tier_read` of update i starts when the drive
+is free (read ahead in update order, one update ahead of the one running), the update starts
+only after it, and `tier_write` follows the update when the drive is free (reads and writes
+share the drive, as tier_plan.py's closed form takes them).
 On a profile without overlap (the CPU playing the accelerator) every copy blocks the compute
 stream, which is what the synchronous CPU runtime does; so does the optimizer (it shares the
 cores with the compute).
@@ -48,7 +53,8 @@ class TimedStep:
 
 
 def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
-             optimizer_s_per_byte: float | None = None, optimizer: str = "backward") -> list[TimedStep]:
+             optimizer_s_per_byte: float | None = None, optimizer: str = "backward",
+             ssd: tuple[float, float, float] | None = None) -> list[TimedStep]:
     """Start and end time of every step of `steps` (a Schedule's steps), plus the optimizer's
     updates when `optimizer_s_per_byte` is given: after each grad_offload (optimizer="backward")
     or before each prefetch (optimizer="forward")."""
@@ -56,18 +62,40 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         raise ValueError(f"optimizer={optimizer!r}: 'backward' or 'forward'")
     before_prefetch = optimizer_s_per_byte is not None and optimizer == "forward"
     after_offload = optimizer_s_per_byte is not None and optimizer == "backward"
-    clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0}
+    clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0, "ssd": t0}
     arrived: dict[int, float] = {}
+    # the updates in the order they run (with ssd: read one ahead of the one running)
+    updates = [(s.segment, s.nbytes or (costs[s.segment].grad_bytes if s.op == "grad_offload" else 0))
+               for s in steps if (after_offload and s.op == "grad_offload") or (before_prefetch and s.op == "prefetch")]
+    read: list[float] = []   # when update i's state has arrived
+
+    def tier_read(i: int) -> None:
+        while ssd is not None and len(read) <= min(i, len(updates) - 1):
+            k, nbytes = updates[len(read)]
+            start = clock["ssd"]
+            end = clock["ssd"] = start + nbytes * ssd[2] / (ssd[0] * 1e9)
+            read.append(end)
+            out.append(TimedStep("tier_read", "ssd", k, costs[k].name, int(nbytes * ssd[2]), start, end))
     reloaded: dict[int, float] = {}   # segment -> when its last checkpoint reload arrives
     ran: dict[int, float] = {}
+    ran_updates: list[int] = []
     out = []
 
     def update(k: int, nbytes: int, start: float) -> float:
         """The host's update of segment k's weights from `start`; returns its end."""
+        i = len(ran_updates)
+        ran_updates.append(k)
+        if ssd is not None:
+            tier_read(i + 1)   # (this update's state, and the next one's ahead)
+            start = max(start, read[i])
         end = clock["host"] = start + nbytes * optimizer_s_per_byte
         if not hw.overlap:   # (the CPU: the optimizer takes the cores from the compute)
             clock["compute"] = end
         out.append(TimedStep("optimizer", "host", k, costs[k].name, nbytes, start, end))
+        if ssd is not None:
+            w_start = max(clock["ssd"], end)
+            w_end = clock["ssd"] = w_start + nbytes * ssd[2] / (ssd[1] * 1e9)
+            out.append(TimedStep("tier_write", "ssd", k, costs[k].name, int(nbytes * ssd[2]), w_start, w_end))
         return end
 
     def prefetch(k: int, nbytes: int) -> tuple[float, float]:

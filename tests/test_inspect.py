@@ -199,3 +199,39 @@ def test_inspect_compiles_to_artifacts_without_a_runtime():
     with pytest.raises(RuntimeError, match="compiled for inspection"):
         from megacompile.backend import _compile_only
         _compile_only([])
+
+
+def test_the_state_tier_reads_and_writes_on_an_ssd_stream(config_json, capsys, monkeypatch):
+    """--nvme: each host update waits for the tier's read of its state and is followed by its
+    write, on one `ssd` stream (one drive: no two of its ops at once); together they move the
+    tiered masters and moments once each per step."""
+    from megacompile.plan import host_bytes
+    from megacompile.runtime import state_tier
+    monkeypatch.setattr(state_tier, "MIN_NUMEL", 1)   # (the tiny model's weights go to the tier)
+    args = ["inspect", str(config_json), "--seq", "16", "--format", "json", "--gpu", "h100", "--nvme", "gen4x1"]
+    assert main(args + ["--overlap-optimizer", "backward"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    tiered = report["nvme"]["bytes_per_step"]
+    from megacompile.inspect import build_meta_model
+    import torch
+    model, _ = build_meta_model(str(config_json), None, torch.bfloat16)
+    placed = host_bytes(model, "cuda", "all")
+    assert tiered == placed.ssd_masters + placed.ssd_optimizer_state > 0
+    steps = report["directions"]["backward"]["steps"]
+    ssd = sorted((s for s in steps if s["stream"] == "ssd"), key=lambda s: s["start_s"])
+    assert all(b["start_s"] >= a["end_s"] - 1e-12 for a, b in zip(ssd, ssd[1:]))
+    reads = {s["segment"]: s for s in ssd if s["op"] == "tier_read"}
+    writes = {s["segment"]: s for s in ssd if s["op"] == "tier_write"}
+    updates = [s for s in steps if s["op"] == "optimizer"]
+    assert len(updates) > 3 and sorted(reads) == sorted(writes) == sorted(u["segment"] for u in updates)
+    for u in updates:
+        assert u["start_s"] >= reads[u["segment"]]["end_s"] and writes[u["segment"]]["start_s"] >= u["end_s"]
+    assert sum(s["bytes"] for s in reads.values()) == pytest.approx(tiered, rel=1e-6)
+    # after the backward: one read of the whole state, the update waits for it, then the write
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    steps = report["directions"]["backward"]["steps"]
+    (read,) = [s for s in steps if s["op"] == "tier_read"]
+    (write,) = [s for s in steps if s["op"] == "tier_write"]
+    assert read["bytes"] == write["bytes"] == tiered and report["step_seconds"] >= read["end_s"] <= write["start_s"]
+    assert main(args[:-2] + ["--show", "schedule"]) == 0 and "ssd" not in capsys.readouterr().out
