@@ -81,15 +81,20 @@ def measured(args) -> None:
 
 def _measured(args, root: Path) -> None:
     reads, writes = [], []
-    for _ in range(3):
-        r, w = measure_ssd([root], bytes_per_path=int(args.probe_mib) << 20, repeat=1)
-        reads.append(r)
-        writes.append(w)
-    limit_r, limit_w = statistics.median(reads), statistics.median(writes)
-    print(f"disk under {root}: read {limit_r:.2f} GB/s, write {limit_w:.2f} GB/s "
-          f"(O_DIRECT, 1 MiB requests, 8 in flight; median of 3)")
+
+    def probe() -> None:   # (a virtual disk drifts: probed before and after the runs)
+        for _ in range(3):
+            r, w = measure_ssd([root], bytes_per_path=int(args.probe_mib) << 20, repeat=1)
+            reads.append(r)
+            writes.append(w)
+    probe()
     ram_s, _, want_masters, want_moments = _train(args, None)
     tier_s, c, masters, moments = _train(args, root)
+    probe()
+    limit_r, limit_w = statistics.median(reads), statistics.median(writes)
+    print(f"disk under {root}: read {limit_r:.2f} GB/s, write {limit_w:.2f} GB/s (O_DIRECT, 1 MiB requests, 8 in "
+          f"flight; median of 6 probes, 3 before and 3 after the runs; read {min(reads):.2f}-{max(reads):.2f}, write "
+          f"{min(writes):.2f}-{max(writes):.2f})")
     params = sum(m.numel() for m in masters)
     same = all(torch.equal(a, b) for a, b in zip(masters, want_masters)) and all(
         torch.equal(moments[i][k], want_moments[i][k]) for i in want_moments for k in ("exp_avg", "exp_avg_sq"))
@@ -102,6 +107,12 @@ def _measured(args, root: Path) -> None:
     print(f"| all in RAM | {ram_s:.3f} | 1.00x | | | | |")
     print(f"| tier (all: masters + moments) | {tier_s:.3f} | {tier_s / ram_s:.2f}x | {read_gbps:.2f} | "
           f"{read_gbps / limit_r:.0%} | {write_gbps:.2f} | {write_gbps / limit_w:.0%} |")
+    moved = c["bytes_read"] + c["bytes_written"]
+    mixed_limit = moved / (c["bytes_read"] / (limit_r * 1e9) + c["bytes_written"] / (limit_w * 1e9)) / 1e9
+    achieved = moved / c["busy_s"] / 1e9 if c["busy_s"] else 0.0
+    print(f"tier traffic, reads and writes together: {achieved:.2f} GB/s while busy, {achieved / mixed_limit:.0%} of "
+          f"the disk's {mixed_limit:.2f} GB/s for that mix (its read and write rates, weighted by the bytes); "
+          f"the drive was busy {c['busy_s'] / steps:.2f} s per step")
     print(f"per step: {c['bytes_read'] / steps / 1e9:.2f} GB read, {c['bytes_written'] / steps / 1e9:.2f} GB written; "
           f"read ahead {c['read_ahead_hits']} tiles, stalled on {c['stalls']}")
     print(f"bit-identical masters and moments: {same}")

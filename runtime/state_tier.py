@@ -163,7 +163,7 @@ class StateTier:
         self._pool = tier_io.aligned_empty(count * widest)
         self._free = deque(self._pool[i * widest:(i + 1) * widest] for i in range(count))
         self._writes: dict[int, tuple[torch.Tensor, nn.Parameter]] = {}   # ticket -> (buffer, parameter)
-        self._param_writes: dict[nn.Parameter, list[int]] = {}
+        self._param_writes: dict[nn.Parameter, dict[int, int]] = {}     # param -> {ticket: slot written}
         self._ahead: dict[tuple, tuple[int, torch.Tensor]] = {}            # (param, tile, slot) -> (ticket, buf)
         self._queue: deque = deque()                                        # (param, tile index) to read ahead
         self.counters = {"stalls": 0, "read_ahead_hits": 0}
@@ -240,7 +240,7 @@ class StateTier:
         buf, p = self._writes.pop(ticket)
         tickets = self._param_writes.get(p)
         if tickets is not None:
-            tickets.remove(ticket)
+            tickets.pop(ticket, None)
             if not tickets:
                 del self._param_writes[p]
         try:
@@ -254,19 +254,25 @@ class StateTier:
         with self._lock:
             ticket = self._engine.write(file, offset, buf[:t.nbytes(len(q.arrays))])
             self._writes[ticket] = (buf, p)
-            self._param_writes.setdefault(p, []).append(ticket)
+            self._param_writes.setdefault(p, {})[ticket] = slot
 
-    def _wait_writes(self, p) -> None:
+    def _wait_writes(self, p, slot: int | None = None) -> None:
+        """Wait for p's writes in flight (those to `slot` only, if given: an update reads one
+        slot and writes the other, so its reads never wait for its own writes)."""
         with self._lock:
-            for ticket in list(self._param_writes.get(p, ())):
-                self._retire(ticket)
+            for ticket, written in list(self._param_writes.get(p, {}).items()):
+                if slot is None or written == slot:
+                    self._retire(ticket)
+
+    def _writing(self, p, slot: int) -> bool:
+        return slot in self._param_writes.get(p, {}).values()
 
     def _read(self, p, q: _Param, i: int, slot: int, update: bool = False) -> torch.Tensor:
         """Tile i of p from `slot` in a bounce buffer (read ahead, or read now)."""
         with self._lock:
             ahead = self._ahead.pop((p, i, slot), None)
             if ahead is None:
-                self._wait_writes(p)
+                self._wait_writes(p, slot)   # (read after write)
                 self.counters["stalls"] += update
                 buf = self._take()
                 t = q.tiles[i]
@@ -314,15 +320,15 @@ class StateTier:
                 self._unread(key)
 
     def _pump(self) -> None:
-        """Issue reads ahead while at least half the pool is free (the rest takes the writes)."""
+        """Issue reads ahead, at most half the pool's buffers (the rest take the writes in flight)."""
         for ticket in [t for t in self._writes if self._engine.done(t)]:   # their buffers are free again
             self._retire(ticket)
-        while self._queue and len(self._free) > self._count // 2:
+        while self._queue and self._free and len(self._ahead) < self._count // 2:
             p, i = self._queue.popleft()
             q = self._params[p]
             if (p, i, q.slot) in self._ahead:
                 continue
-            if p in self._param_writes:   # its last update's writes first (read after write)
+            if self._writing(p, q.slot):   # the writes of that slot first (read after write)
                 self._queue.appendleft((p, i))
                 break
             buf = self._free.popleft()
