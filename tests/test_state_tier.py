@@ -84,6 +84,20 @@ def test_training_with_the_tier_equals_all_in_ram(tmp_path, placement, dtype, ov
     assert got[3] == want[3]
 
 
+def test_a_slow_drive_changes_nothing_but_the_time(tmp_path):
+    """One of two drives answers every request 2 ms late: the updates during the backward wait
+    for their reads, the writes land late, the results are the same bits."""
+    make_tier = _tier(tmp_path, "all")
+
+    def slow(model):
+        tier = make_tier(model)
+        tier._engine.inject(1, delay_us=2000)
+        return tier
+    want = _train_with_schedule(torch.bfloat16, overlap="backward")
+    got = _train_with_schedule(torch.bfloat16, overlap="backward", tier=slow)
+    _assert_same_training(got, want)
+
+
 def test_an_moe_model_with_routed_experts_trains_the_same_with_the_tier(tmp_path):
     from test_routed_experts import many_experts
 
