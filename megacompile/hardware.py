@@ -106,20 +106,26 @@ def _value_problems(data: dict) -> list[str]:
     return bad
 
 
+def _key_problems(data: dict, known, required) -> list[str]:
+    """A profile's unknown keys (with the closest known one) and missing required keys."""
+    problems = []
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    missing = [k for k in required if k not in data]
+    if missing:
+        problems.append(f"missing keys {missing}")
+    return problems
+
+
 def _profile_from_dict(data, where: str) -> Hardware:
     if not isinstance(data, dict):
         raise ConfigError(f"hardware profile {where} holds a JSON {type(data).__name__}, not an object: write one "
                           f"object of rates, e.g. {{\"name\": \"my_gpu\", \"compute_tflops\": 700, ...}} with the "
                           f"keys {list(_REQUIRED)} (see megacompile/hardware.py).")
     names = [f.name for f in fields(Hardware)]
-    problems = []
-    for key in data:
-        if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
-            problems.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    missing = [k for k in _REQUIRED if k not in data]
-    if missing:
-        problems.append(f"missing keys {missing}")
+    problems = _key_problems(data, names, _REQUIRED)
     problems += _value_problems({k: v for k, v in data.items() if k in names})
     if problems:
         raise ConfigError(f"hardware profile {where}: {'; '.join(problems)}. Required keys {list(_REQUIRED)}, "
@@ -514,14 +520,7 @@ _SSD_HELP = (f"use one of {', '.join(SSD_BUILTIN)}, the path of a JSON profile "
 
 def _ssd_problems(data: dict) -> list[str]:
     """What is wrong with an SSD profile's keys and values, one entry per problem."""
-    bad = []
-    for key in data:
-        if key not in _SSD_KEYS:
-            close = difflib.get_close_matches(str(key), _SSD_KEYS, n=1)
-            bad.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    missing = [k for k in _SSD_REQUIRED if k not in data]
-    if missing:
-        bad.append(f"missing keys {missing}")
+    bad = _key_problems(data, _SSD_KEYS, _SSD_REQUIRED)
     for key, value in data.items():
         shown = f"{key}={value!r}"
         if key == "name" and not (isinstance(value, str) and value.strip()):
