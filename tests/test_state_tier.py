@@ -127,6 +127,7 @@ def test_reads_run_ahead_of_the_updates(tmp_path):
             opt.step()
             opt.zero_grad()
         opt.synchronize()
+        tier.synchronize()   # (the last update's writes may still be in flight)
         counters = tier.io_counters()
         tiles = sum(len(q.tiles) for q in tier._params.values())
         assert counters["read_ahead_hits"] >= 2 * tiles and counters["stalls"] <= tiles
