@@ -59,6 +59,7 @@ def test_training_with_the_tier_equals_training_without_it(tiny_dir, tmp_path, o
     assert "state tier: all of 12 parameters, 336.00 KiB x 2 slots" in said and str(nvme) in said, said
 
 
+@pytest.mark.slow   # (40 s; in CI: tests/test_tier_checkpoint.py resumes across the tier both ways, bit for bit)
 def test_a_checkpoint_resumes_across_the_tier_both_ways(tiny_dir, tmp_path):  # noqa: F811
     """Interrupted after step 3 (checkpoint at 2), resumed to step 4 with the tier switched the
     other way: the losses and the weights of the uninterrupted run."""
