@@ -130,7 +130,8 @@ def planned(args) -> None:
     and backward seconds at each batch (they do not depend on the RAM); the placement and the RAM
     it needs come from plan.host_bytes, the SSD time from tier_plan.ssd_seconds (the same
     functions `megatrain plan --nvme` uses)."""
-    from megacompile.hardware import load_hardware, load_ssd
+    from megacompile.hardware import load_hardware
+    from megacompile.ssd import load_ssd
     from megacompile.inspect import build_meta_model
     from megacompile.plan import host_bytes, plan_model, tier_placement
     from megacompile.tier_plan import TIER_READ_AHEAD, ssd_seconds

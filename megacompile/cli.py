@@ -108,7 +108,8 @@ def _check_output(path: str) -> Path:
 
 
 def _inspect(args) -> int:
-    from .hardware import load_hardware, load_ssd
+    from .hardware import load_hardware
+    from .ssd import load_ssd
     from .inspect import inspect_model, to_chrome_trace, to_json, to_svg, to_text
     if args.output:
         _check_output(args.output)
@@ -137,7 +138,8 @@ def _inspect(args) -> int:
 def _plan(args) -> int:
     import json as _json
 
-    from .hardware import load_hardware, load_ssd
+    from .hardware import load_hardware
+    from .ssd import load_ssd
     from .plan import plan_model, to_text
     dtype = getattr(torch, args.dtype)
     hardware = load_hardware(args.gpu, dtype)

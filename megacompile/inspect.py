@@ -202,7 +202,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
     overlap="backward", norm not clipped; `megatrain train`'s default on CUDA); "forward": the
     last step's updates run under this forward, each before its segment's prefetch
     (overlap="forward", or a clipped step under "backward"); None: after the backward.
-    `ssd` (a hardware.SSD) with `placement` ("moments" or "all"): the NVMe state tier's reads and
+    `ssd` (an ssd.SSD) with `placement` ("moments" or "all"): the NVMe state tier's reads and
     writes of each update, on simulate.py's `ssd` stream."""
     from .errors import ConfigError
     if overlap_optimizer not in (None, "backward", "forward"):

@@ -38,7 +38,8 @@ import torch
 
 from .cost_model import body_seconds, optimizer_seconds
 from .errors import CannotFitError
-from .hardware import SSD, Hardware
+from .hardware import Hardware
+from .ssd import SSD
 from .ir import Step, segment_calls
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
@@ -377,7 +378,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
     tower is frozen or trained (megacompile/vlm.py). `prepare(meta_model)`, if given, runs before
     anything is counted: a train config's finetuning_type freezing weights (train/finetuning.py).
-    `ssd` (hardware.load_ssd) plans the NVMe state tier: `placement` auto picks the first of
+    `ssd` (ssd.load_ssd) plans the NVMe state tier: `placement` auto picks the first of
     none / moments / all that fits the host RAM (tier_placement); every batch then carries the
     SSD seconds of an optimizer step of `accum` micro-batches and the part of them exposed."""
     options = {"logits": "drop", **(options or {})}
@@ -394,7 +395,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     if ssd is None and placement in ("moments", "all"):
         raise ConfigError(f"nvme placement {placement!r} needs an SSD profile (--nvme PROFILE, e.g. gen5x4).")
     if ssd is not None:
-        from .hardware import load_ssd
+        from .ssd import load_ssd
         ssd = load_ssd(ssd)   # (checked)
     model, config = build_meta_model(source, None, dtype)
     if prepare is not None:

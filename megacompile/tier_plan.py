@@ -65,7 +65,7 @@ def ssd_capacity(ssd) -> tuple[int, str]:
     """(bytes the tier may use on `ssd`'s drives, where the figure comes from); 0: not known
     (a plan-only profile without paths or capacity_gib: not checked)."""
     from .errors import ConfigError
-    from .hardware import free_bytes
+    from .ssd import free_bytes
     if ssd.capacity_gib:
         return int(ssd.capacity_gib * GiB), f"capacity_gib of profile {ssd.name}"
     if not ssd.paths:

@@ -127,7 +127,6 @@ class StateTier:
             raise ValueError("StateTier: no directory for the tier's files")
         self.placement = placement
         self.tile = tile
-        self._io = tier_io
         self._params: dict[nn.Parameter, _Param] = {}
         ends = [0] * len(dirs)
         record = 0
@@ -138,10 +137,10 @@ class StateTier:
             arrays = _ARRAYS if placement == "all" and p.dtype in LOW_PRECISION else _ARRAYS[1:]
             tiles = []
             for start in range(0, p.numel(), tile):
-                length = min(tile, p.numel() - start)
-                t = _Tile(record % len(dirs), 0, start, length, _padded(length))
-                tiles.append(_Tile(t.file, ends[t.file], start, length, t.stride))
-                ends[t.file] += t.nbytes(len(arrays))
+                length, file = min(tile, p.numel() - start), record % len(dirs)
+                t = _Tile(file, ends[file], start, length, _padded(length))
+                tiles.append(t)
+                ends[file] += t.nbytes(len(arrays))
                 record += 1
             self._params[p] = _Param(name, arrays, tiles)
         self.slot_bytes = ends   # per file; the file holds two slots

@@ -9,11 +9,13 @@ import pytest
 import torch
 
 import megacompile.hardware
+import megacompile.ssd
 import megacompile.plan
 from conftest import tiny_config
 from megacompile.cli import main
 from megacompile.errors import ConfigError
-from megacompile.hardware import BUILTIN, SSD, load_ssd
+from megacompile.hardware import BUILTIN
+from megacompile.ssd import SSD, load_ssd
 from megacompile.inspect import build_meta_model
 from megacompile.plan import host_bytes, plan_model, tier_placement
 from megacompile.tier_plan import TIER_POOL_BYTES, min_numel, ssd_seconds
@@ -186,7 +188,7 @@ def test_profiles_builtin_json_and_measured(tmp_path, monkeypatch):
         return 3.0, 2.0
     import megacompile.runtime.tier_io as tier_io
     monkeypatch.setattr(tier_io, "measure_ssd", measure_ssd, raising=False)
-    megacompile.hardware._measured_ssd.cache_clear()
+    megacompile.ssd._measured_ssd.cache_clear()
     try:
         (tmp_path / "b").mkdir()
         spec = f"measure:{tmp_path},{tmp_path / 'b'}"
@@ -194,7 +196,7 @@ def test_profiles_builtin_json_and_measured(tmp_path, monkeypatch):
         assert got == SSD("measured", 3.0, 2.0, (str(tmp_path), str(tmp_path / "b"))) and load_ssd(spec) is got
         assert calls == [([str(tmp_path), str(tmp_path / "b")], 256 * 2**20)]   # once per process
     finally:
-        megacompile.hardware._measured_ssd.cache_clear()
+        megacompile.ssd._measured_ssd.cache_clear()
 
 
 @pytest.mark.parametrize("profile, expected", [
@@ -233,7 +235,7 @@ def test_too_little_disk_is_a_problem(wide_json, tmp_path, capsys, monkeypatch):
     # capacity 0 with paths: the free space of the paths (statvfs)
     on_disk = tmp_path / "disk.json"
     on_disk.write_text(json.dumps({"name": "disk", "read_gbps": 10, "write_gbps": 5, "paths": [str(tmp_path)]}))
-    monkeypatch.setattr(megacompile.hardware, "free_bytes", lambda paths: 4096)
+    monkeypatch.setattr(megacompile.ssd, "free_bytes", lambda paths: 4096)
     plan = plan_model(str(wide_json), hardware=BUILTIN["h100"], host_ram=2**40, seq=64, ssd=load_ssd(on_disk),
                       placement="moments", max_batch=4)
     assert plan.ssd_capacity == 4096 and "free on" in plan.problems[0] and "NVMe" in plan.problems[0]
@@ -292,7 +294,7 @@ def test_choose_tier_and_preflight(tmp_path, wide_json, monkeypatch):
         preflight(model, cpu, "frozen", placement, ssd)
     monkeypatch.setattr(megacompile.hardware, "host_memory_limit", lambda: (need["none"], "test"))
     assert choose_tier(model, cpu, config)[0] == "none"
-    monkeypatch.setattr(megacompile.hardware, "free_bytes", lambda paths: 4096)
+    monkeypatch.setattr(megacompile.ssd, "free_bytes", lambda paths: 4096)
     with pytest.raises(PreflightError, match="not enough free disk for the state tier"):
         preflight(model, cpu, "frozen", "all", ssd)
     with pytest.raises(PreflightError, match=r"nvme: gen5x4 or measure:DIR"):   # no tier asked: say how

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from ..errors import CannotFitError
-from ..hardware import SSD
+from ..ssd import SSD
 from ..options import Options
 
 
@@ -30,7 +30,8 @@ def choose_tier(model, device: torch.device, config) -> tuple[str, SSD | None]:
     files go into, and `nvme_placement` (auto: the least that fits this process's host RAM)."""
     if config.nvme is None:
         return "none", None
-    from ..hardware import host_memory_limit, load_ssd
+    from ..hardware import host_memory_limit
+    from ..ssd import load_ssd
     from ..plan import tier_placement
     from .tier_keys import tier_dirs
     ssd = load_ssd(config.nvme)
@@ -42,7 +43,8 @@ def preflight(model, device: torch.device, vision: str = "frozen", placement: st
               ssd: SSD | None = None) -> str:
     """Host RAM the store needs with `placement`'s state on `ssd` against what the machine has,
     and the SSD bytes against the free space of its paths (refuses a run that cannot fit)."""
-    from ..hardware import free_bytes, host_memory_limit
+    from ..hardware import host_memory_limit
+    from ..ssd import free_bytes
     from ..plan import _fmt, host_bytes, vision_device_bytes
     if placement != "none" and ssd is None:
         raise ValueError(f"preflight: placement {placement!r} needs the SSD profile (choose_tier's)")
