@@ -9,6 +9,7 @@ from .backend import megatrain_backend, stats
 from .errors import (CannotFitError, ConfigError, GraphBreakError, MegatrainError, ResidencyError, TrainingError,
                      UnsupportedModelError)
 from .options import Options
+from .runtime.adamw import HostAdamW
 from .runtime.store import master_weight
 from . import compile_start
 
@@ -23,7 +24,7 @@ def reset() -> None:
     compile_start.register()
 
 __all__ = [
-    "reset", "megatrain_backend", "stats", "Options", "master_weight",
+    "reset", "megatrain_backend", "stats", "Options", "master_weight", "HostAdamW",
     "MegatrainError", "UnsupportedModelError", "GraphBreakError", "ConfigError", "ResidencyError", "CannotFitError",
     "TrainingError",
 ]

@@ -25,11 +25,12 @@ from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from . import compile_start
+from . import compile_start, distributed
 from .capture import ModelCapture, capture_inputs
 from .options import Options
 from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
 from .passes import PassContext, check_pipeline, run_pipeline
+from .passes.data_parallel import data_parallel
 from .passes.dedupe_bodies import dedupe_bodies
 from .passes.fused_kernels import fused_kernels
 from .passes.fused_lm_loss import fused_lm_loss
@@ -56,7 +57,7 @@ from .runtime.weight_pool import DeviceWeightPool
 DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, retarget_device]
 JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
 DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
-                    schedule, offload_checkpoints, memory_plan]
+                    schedule, offload_checkpoints, data_parallel, memory_plan]
 
 
 def check_pipelines(disabled: tuple[str, ...]) -> None:
@@ -89,10 +90,17 @@ class Program:
         self.compiled: dict[str, Compiled] = {}
         self.runtime = runtime
         self.runners: dict[str, DirectionRunner] = {}
+        # data parallelism: the node's ranks share one host copy of the state (megacompile/distributed.py)
+        self.topo = distributed.current(device) if runtime and options.data_parallel == "auto" else distributed.SINGLE
+        self.heap = None
+        if self.topo.enabled:
+            _check_data_parallel(options)
+            from .runtime.node_heap import NodeHeap
+            self.heap = NodeHeap(self.topo, f"g{next(self.topo.counter)}")
         if runtime:
             # (pinned later, when the schedule is known: host arenas per layer kind, runtime/host_arena.py)
             self.grads = GradOffloader(device, overlap=options.overlap_grads)
-            self.entries = self._subscribe(store.register(params, names, pin=False))
+            self.entries = self._subscribe(store.register(params, names, pin=False, heap=self.heap))
             self.arena_rows: dict | None = None   # flat index -> host arena row, built at the first forward
             self.pool = DeviceWeightPool(device, options.slots)
             self.checkpoints = CheckpointMover(device)
@@ -105,6 +113,9 @@ class Program:
 
     def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
         """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
+        if self.topo.enabled:
+            raise RuntimeError("megatrain: a compiled graph reused for another model's parameters under data "
+                               "parallelism; compile each model separately")
         names = {i: self.entries[i].name for i in params}
         self.entries.update(self._subscribe(store.register(params, names, pin=False)))
         self.arena_rows = None   # the arenas follow the parameters too
@@ -125,7 +136,7 @@ class Program:
             # rows follow the forward's segments; a backward segment uses a row when it reads all of it
             segments = self.runners["forward"].schedule.segments
             if self.options.host_arena:
-                self.arena_rows = host_arena.build(segments, self.entries, pin)
+                self.arena_rows = host_arena.build(segments, self.entries, pin, heap=self.heap)
             else:
                 if pin:
                     for entry in self.entries.values():
@@ -149,6 +160,7 @@ class Program:
             kernels=self.options.kernel_backend,
             logits=self.options.logits,
             mlp_tiles=self.options.mlp_tiles,
+            data_parallel=self.topo.local if self.topo.enabled else 1,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,
@@ -258,6 +270,21 @@ class Program:
             # stacked expert weights whose rows are fetched by routing (options routed_experts)
             "routed_weights": len({i for seg in fw.schedule.segments for i in seg.routed}) if fw else 0,
         }
+
+
+def _check_data_parallel(options: Options) -> None:
+    """What data parallelism does not run with yet (a ConfigError before any work)."""
+    from .errors import ConfigError
+    if not options.host_arena:
+        raise ConfigError("option host_arena=False with data parallelism: each rank's part of a layer is a slice of "
+                          "its arena row. Leave host_arena on.")
+    if options.routed_experts:
+        raise ConfigError("option routed_experts=True with data parallelism is not supported yet: each rank would "
+                          "fetch other experts. Set routed_experts=False.")
+    if "data_parallel" in options.disable_passes:
+        raise ConfigError("disable_passes contains 'data_parallel' while torch.distributed runs several ranks: every "
+                          "rank would fetch and update weights it does not own. Set option data_parallel='off' to "
+                          "run the ranks independently instead.")
 
 
 def mark_checkpoints(fw: fx.GraphModule, bw: fx.GraphModule) -> None:

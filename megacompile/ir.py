@@ -78,7 +78,8 @@ RUNTIME_READS = (SEGMENT, FLAT_INDEX, WEIGHT_GROUP, SCHEDULE)
 @dataclass(frozen=True)
 class Step:
     op: str          # "prefetch" | "wait" | "run" | "evict" | "grad_offload" | "offload" | "reload"
-    stream: str      # "h2d" | "compute" | "d2h"
+                     # (data parallel: "prefetch_shard" | "all_gather" | "reduce_scatter")
+    stream: str      # "h2d" | "compute" | "d2h" | "comm"
     segment: int     # index into Schedule.segments
     nbytes: int = 0
 
@@ -112,7 +113,7 @@ class Schedule:
     def peak_resident_weight_bytes(self) -> int:
         resident, peak = 0, 0
         for s in self.steps:
-            if s.op == "prefetch":
+            if s.op in ("prefetch", "prefetch_shard"):
                 resident += s.nbytes
                 peak = max(peak, resident)
             elif s.op == "evict":
@@ -159,7 +160,27 @@ def grad_offload(segment: int, grads: list[torch.Tensor]) -> None:
     _handled_by_runtime()
 
 
-for _op in (prefetch, wait, evict, grad_offload):
+@torch.library.custom_op("megatrain::prefetch_shard", mutates_args=())
+def prefetch_shard(segment: int, weights: list[torch.Tensor]) -> None:
+    """Data parallel: copy this rank's part of the segment's weights host -> device (its slice of
+    the arena row, the loose weights it owns); `all_gather` completes them."""
+    _handled_by_runtime()
+
+
+@torch.library.custom_op("megatrain::all_gather", mutates_args=())
+def all_gather(segment: int) -> None:
+    """Data parallel: assemble the segment's weights from every rank's part (the comm stream)."""
+    _handled_by_runtime()
+
+
+@torch.library.custom_op("megatrain::reduce_scatter", mutates_args=())
+def reduce_scatter(segment: int, grads: list[torch.Tensor]) -> None:
+    """Data parallel: sum the segment's gradients over the node's ranks in fp32, leaving each
+    rank the part it owns (the comm stream); its grad_offload sends only that part."""
+    _handled_by_runtime()
+
+
+for _op in (prefetch, wait, evict, grad_offload, prefetch_shard, all_gather, reduce_scatter):
     _op.register_fake(lambda *args: None)
     fx.node.has_side_effect(_op._opoverload)
 
@@ -194,7 +215,10 @@ for _op in (offload, reload):
 #: schedule op name -> its torch op (program nodes call these)
 SCHEDULE_OPS = {"prefetch": torch.ops.megatrain.prefetch.default, "wait": torch.ops.megatrain.wait.default,
                 "evict": torch.ops.megatrain.evict.default, "grad_offload": torch.ops.megatrain.grad_offload.default,
-                "offload": torch.ops.megatrain.offload.default, "reload": torch.ops.megatrain.reload.default}
+                "offload": torch.ops.megatrain.offload.default, "reload": torch.ops.megatrain.reload.default,
+                "prefetch_shard": torch.ops.megatrain.prefetch_shard.default,
+                "all_gather": torch.ops.megatrain.all_gather.default,
+                "reduce_scatter": torch.ops.megatrain.reduce_scatter.default}
 STEP = _key("mt_step", "node", "schedule program node -> its Step (schedule ops and segment runs)")
 
 

@@ -62,6 +62,9 @@ _CHOICES = {
                             "always": None, "never": None},
     "attention": {"segments": "no seq x seq mask; transformers' attention where it cannot run",
                   "transformers": "the model's own attention implementation, as set"},
+    "data_parallel": {"auto": "when torch.distributed is initialised with more than one rank", "off": None},
+    "grad_reduce": {"mean": "gradients averaged over the ranks (DDP, FSDP)",
+                    "sum": "summed (a loss already divided by the global token count)"},
 }
 
 
@@ -235,6 +238,15 @@ class Options:
     #: its backward, on the copy streams. "auto": only when the step would not fit
     #: `device_budget` with them on the device; "always"; "never".
     offload_checkpoints: str = "auto"
+    #: Data parallelism over torch.distributed (megacompile/distributed.py): "auto" when a process
+    #: group of more than one rank is initialised (torchrun): the node's ranks share one host copy
+    #: of the state, each fetches its part of every layer and all-gathers the rest, gradients are
+    #: reduce-scattered and each rank updates its part (use megacompile.HostAdamW). "off": none.
+    data_parallel: str = "auto"
+    #: How gradients combine over the ranks: "mean" (as DDP/FSDP: each rank's loss is a mean over
+    #: its own batch) or "sum" (the loss is already divided by the global token count: megatrain
+    #: train).
+    grad_reduce: str = "mean"
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

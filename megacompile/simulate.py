@@ -138,8 +138,11 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         return start, end
 
     # one handler per schedule op (the executor and the memory plan have theirs)
+    # (data parallelism, first version: a sharded fetch timed as a whole one, the collectives
+    # as free)
     handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": copy_out, "evict": evict,
-                "offload": copy_out, "reload": reload}
+                "offload": copy_out, "reload": reload, "prefetch_shard": prefetch, "all_gather": evict,
+                "reduce_scatter": evict}
     for step in steps:
         k, cost = step.segment, costs[step.segment]
         nbytes = step.nbytes or (cost.grad_bytes if step.op == "grad_offload" else 0)

@@ -162,6 +162,9 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     account = _Account(program, transient, liveness(program).frees)   # (the executor frees by the same analysis)
     walk(program, {"prefetch": account.prefetch, "evict": account.evict, "run": account.run, "wait": account.step,
                    "grad_offload": account.step, "offload": account.step, "reload": account.reload,
+                   # data parallelism: a sharded fetch fills a whole buffer, as a fetch does; the
+                   # reduce-scatter's fp32 buffer is not counted yet
+                   "prefetch_shard": account.prefetch, "all_gather": account.step, "reduce_scatter": account.step,
                    "value": account.value, "output_of": account.free,
                    "placeholder": account.free, "output": account.free})
     per_step = account.per_step

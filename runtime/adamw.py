@@ -103,6 +103,20 @@ def _available_host_bytes() -> int:
         return 0
 
 
+def _take(t: torch.Tensor, pieces) -> torch.Tensor:
+    """The elements `pieces` of a tensor, flat, in a new tensor."""
+    flat = t.view(-1)
+    return torch.cat([flat[a:b] for a, b in pieces]) if pieces else flat.new_empty(0)
+
+
+def _put(t: torch.Tensor, pieces, values: torch.Tensor) -> None:
+    """Write `values` (as `_take` made them) back into the elements `pieces` of `t`."""
+    flat, at = t.view(-1), 0
+    for a, b in pieces:
+        flat[a:b].copy_(values[at:at + b - a])
+        at += b - a
+
+
 def _fallback(master, grad, exp_avg, exp_avg_sq, low, step_t, lr, beta1, beta2, eps, weight_decay, grad_scale):
     g = grad if grad_scale == 1.0 else grad * grad_scale
     torch._fused_adamw_([master], [g], [exp_avg], [exp_avg_sq], [], [step_t], lr=lr, beta1=beta1, beta2=beta2,
@@ -197,6 +211,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.counters = {"speculated": 0, "kept": 0, "rolled_back": 0, "over_budget": 0, "paused": 0}
         # parameter -> whether its last update left a NaN or inf in its weights (nonfinite())
         self._nonfinite: dict[nn.Parameter, bool] = {}
+        self._topo = None   # data parallelism: megacompile.distributed.Topology, found at first use
 
     @staticmethod
     def _buffers(p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -205,6 +220,27 @@ class HostAdamW(torch.optim.Optimizer):
         if entry is not None:
             return entry.master, entry.transfer
         return p.data, None
+
+    @staticmethod
+    def _pieces(p) -> list[tuple[int, int]] | None:
+        """Data parallelism: the element ranges of `p` this rank updates (None: all of it)."""
+        entry = entry_of(p)
+        return entry.pieces if entry is not None else None
+
+    def _topology(self):
+        """The node's ranks whose pieces make up the gradients (data parallelism)."""
+        if self._topo is None:
+            from ..distributed import current
+            self._topo = current(torch.device("cpu"))
+        return self._topo
+
+    def _squares(self, p, grad, threads: int = 0) -> float:
+        """sum(grad ** 2) over the elements this rank updates."""
+        pieces = self._pieces(p)
+        if pieces is None:
+            return squared_norm(grad, threads)
+        flat = grad.view(-1)
+        return sum(squared_norm(flat[a:b], threads) for a, b in pieces)
 
     # overlap="backward" ---------------------------------------------------------------
     def arm(self) -> None:
@@ -271,7 +307,9 @@ class HostAdamW(torch.optim.Optimizer):
             return True
         # a tiered parameter's state before the update stays in its committed slot on disk: only
         # a master kept in RAM is copied
-        need = (0 if self.tier.holds_master(p) else weights.numel() * 4) if self._tiered(p) else 3 * weights.numel() * 4
+        pieces = self._pieces(p)
+        numel = weights.numel() if pieces is None else sum(b - a for a, b in pieces)
+        need = (0 if self.tier.holds_master(p) else numel * 4) if self._tiered(p) else 3 * numel * 4
         if self._snap_bytes + need > self.rollback_bytes:
             return False
         self._snap_bytes += need
@@ -286,16 +324,21 @@ class HostAdamW(torch.optim.Optimizer):
             weights, _ = self._buffers(p)
             state = self.state[p]
             snap = self._snap[p]
-            if snap is None and self._tiered(p):
+            pieces = self._pieces(p)
+            if pieces is not None:   # (data parallelism: only this rank's pieces change)
+                snap = self._snap[p] = (*(_take(t, pieces) for t in (weights, state["exp_avg"], state["exp_avg_sq"])),
+                                        state["step"].clone())
+            elif snap is None and self._tiered(p):
                 snap = self._snap[p] = (None if self.tier.holds_master(p) else torch.empty_like(weights),
                                         None, None, torch.zeros(()))
             elif snap is None:
                 snap = self._snap[p] = (torch.empty_like(weights), torch.empty_like(state["exp_avg"]),
                                         torch.empty_like(state["exp_avg_sq"]), torch.zeros(()))
-            for dst, src in zip(snap, (weights, state.get("exp_avg"), state.get("exp_avg_sq"), state["step"])):
-                if dst is not None:
-                    dst.copy_(src)
-            self._norms[p] = squared_norm(grad, self.host_threads)
+            if pieces is None:
+                for dst, src in zip(snap, (weights, state.get("exp_avg"), state.get("exp_avg_sq"), state["step"])):
+                    if dst is not None:
+                        dst.copy_(src)
+            self._norms[p] = self._squares(p, grad, self.host_threads)
             self._update(p, grad, hyper, 1.0, self.host_threads, speculative=True)
             self.counters["speculated"] += 1
         finally:
@@ -310,6 +353,17 @@ class HostAdamW(torch.optim.Optimizer):
         weights, low = self._buffers(p)
         state = self.state[p]
         master, exp_avg, exp_avg_sq, step = self._snap[p]
+        pieces = self._pieces(p)
+        if pieces is not None:
+            for dst, src in ((weights, master), (state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq)):
+                _put(dst, pieces, src)
+            state["step"].copy_(step)
+            if low is not None:
+                _put(low, pieces, master)
+                _master_entry(p).synced_version = p._version
+            self._nonfinite.pop(p, None)
+            self.counters["rolled_back"] += 1
+            return
         if self._tiered(p):   # its committed slot on disk still holds the state before the update
             self.tier.discard(p)
             if self.tier.holds_master(p):
@@ -361,12 +415,27 @@ class HostAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 valid = self._read_this_grad(p, self._spec.get(p))
-                total += self._norms[p] if valid else squared_norm(p.grad)
+                total += self._norms[p] if valid else self._squares(p, p.grad)
+        if any(self._pieces(p) is not None for g in self.param_groups for p in g["params"]):
+            # data parallelism: each rank summed its pieces; the node's ranks hold every element once
+            from ..distributed import all_sum
+            topo = self._topology()
+            total = all_sum(topo, [total], "the all-reduce of the gradient norm", topo.node_host_group)[0]
         return math.sqrt(total)
 
     # --------------------------------------------------------------------------------
     def _init_state(self, p) -> None:
         state = self.state[p]
+        entry = entry_of(p)
+        if entry is not None and entry.moments is not None and state.get("exp_avg") is not entry.moments[0]:
+            # data parallelism: the moments are the node's shared ones; loaded ones (a resume) go
+            # into them for the pieces this rank owns (each rank writes its own)
+            state.setdefault("step", torch.tensor(0.0))
+            for key, shared in zip(("exp_avg", "exp_avg_sq"), entry.moments):
+                if key in state:
+                    _put(shared, entry.pieces, _take(state[key].to(torch.float32), entry.pieces))
+                state[key] = shared
+            return
         if not state:
             weights, _ = self._buffers(p)
             state["step"] = torch.tensor(0.0)
@@ -470,6 +539,10 @@ class HostAdamW(torch.optim.Optimizer):
             if low is not None:
                 _master_entry(p).synced_version = p._version
             return
+        pieces = self._pieces(p)
+        if pieces is not None:
+            self._update_pieces(p, grad, hyper, grad_scale, threads, pieces, weights, low, state)
+            return
         fast = (weights.device.type == "cpu" and weights.dtype == torch.float32 and weights.is_contiguous()
                 and grad.dtype == torch.float32 and grad.is_contiguous()
                 and (low is None or low.dtype in LOW_PRECISION))
@@ -493,6 +566,28 @@ class HostAdamW(torch.optim.Optimizer):
             _fallback(weights, grad, state["exp_avg"], state["exp_avg_sq"], low, state["step"], lr, beta1, beta2,
                       eps, wd, grad_scale)
             self._nonfinite[p] = not bool(torch.isfinite(weights).all())
+        if low is not None:
+            _master_entry(p).synced_version = p._version
+
+    def _update_pieces(self, p, grad, hyper, grad_scale, threads, pieces, weights, low, state) -> None:
+        """(data parallelism) The update of the elements `pieces` of `p` alone: the same kernel
+        on flat views (it is element-wise: bit for bit its whole-tensor result there)."""
+        lr, beta1, beta2, eps, wd = hyper
+        state["step"] += 1
+        step = int(state["step"].item())
+        ext = kernel() if grad.dtype == torch.float32 and weights.dtype == torch.float32 else None
+        views = [t.view(-1) if t is not None else None
+                 for t in (weights, grad, state["exp_avg"], state["exp_avg_sq"], low)]
+        bad = 0
+        for a, b in pieces:
+            w, g, m, v, lo = (t[a:b] if t is not None else None for t in views)
+            if ext is not None:
+                found = ext.adamw_step(w, g, m, v, lo, lr, beta1, beta2, eps, wd, step, grad_scale, threads)
+                bad += found if found is not None else int(not bool(torch.isfinite(w).all()))
+            else:
+                _fallback(w, g, m, v, lo, state["step"].clone(), lr, beta1, beta2, eps, wd, grad_scale)
+                bad += int(not bool(torch.isfinite(w).all()))
+        self._nonfinite[p] = bad > 0
         if low is not None:
             _master_entry(p).synced_version = p._version
 

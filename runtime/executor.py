@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.profiler import record_function
 
+from ..distributed import collective, reduce_scatter_into
 from ..errors import ResidencyError
 from ..ir import FLAT_INDEX, SEGMENT, STEP, WEIGHT_GROUP, Compiled, Schedule, dispatch, host_values, liveness
 from .weight_pool import DeviceWeightPool
@@ -48,6 +49,7 @@ class _Run:
     def __init__(self, program, env: dict, host_args: dict, entries, rows, host: dict):
         self.program, self.env, self.host_args, self.entries, self.rows = program, env, host_args, entries, rows
         self.host = host   # values on the host: offloaded checkpoints (not device bytes)
+        self.shards: dict[int, dict] = {}   # data parallelism: segment -> this rank's summed gradient parts
         self.pool: DeviceWeightPool = program.pool
         self.debug = program.options.debug_residency
         self.peak = 0
@@ -102,6 +104,7 @@ class DirectionRunner:
         # the grad_offload step that completes each weight's gradient in this backward (the last,
         # should several segments send a contribution): from there an optimizer armed for the
         # backward may update it (runtime/adamw.py, overlap="backward")
+        self._layouts: dict[int, tuple] = {}   # data parallelism: segment -> its gradients' shard layout
         self.final_offload: dict[int, int] = {}
         for step in self.schedule.steps:
             if step.op == "grad_offload":
@@ -178,6 +181,60 @@ class DirectionRunner:
         seg = self.schedule.segments[k]
         run.pool.fetch(k, {i: run.entries[i] for i in seg.weights}, seg.routed, run.rows)
 
+    # data parallelism (passes/data_parallel.py): this rank's part, then the collectives ----------
+    def _prefetch_shard(self, run: _Run, node: fx.Node) -> None:
+        k = node.meta[STEP].segment
+        seg = self.schedule.segments[k]
+        topo = self.program.topo
+        run.pool.fetch(k, {i: run.entries[i] for i in seg.weights}, seg.routed, run.rows,
+                       shard=(topo.local, topo.local_rank))
+
+    def _all_gather(self, run: _Run, node: fx.Node) -> None:
+        k = node.meta[STEP].segment
+        topo = self.program.topo
+        with collective(topo, f"the all-gather of {self.direction} segment {self.schedule.segments[k].name}"):
+            run.pool.gather(k, topo.node_group, topo.local_rank)
+
+    def _reduce_scatter(self, run: _Run, node: fx.Node) -> None:
+        """Sum the segment's gradients over the node's ranks in fp32; keep this rank's parts.
+
+            flat (fp32)   | rank 0's pieces of g0, g1, ... | pad | rank 1's pieces ... | pad |
+            reduce-scatter (sum)  ->  this rank's chunk: its pieces, summed over the ranks
+        """
+        k = node.meta[STEP].segment
+        seg = self.schedule.segments[k]
+        topo = self.program.topo
+        layout, chunk = self._shard_layout(k, run.entries)
+        grads = [run.env[name] for _, name in seg.grads]
+        device = grads[0].device if grads else self.device
+        flat = torch.zeros(topo.local * chunk, dtype=torch.float32, device=device)
+        for r, pieces in enumerate(layout):
+            for j, a, b, off in pieces:
+                flat[r * chunk + off: r * chunk + off + b - a].copy_(grads[j].reshape(-1)[a:b])
+        if self.program.options.grad_reduce == "mean":
+            flat.div_(topo.local)
+        mine = flat[topo.local_rank * chunk:(topo.local_rank + 1) * chunk]
+        with collective(topo, f"the reduce-scatter of backward segment {seg.name}"):
+            reduce_scatter_into(mine, flat, topo.node_group)
+        owned = {j: (a, b, mine[off: off + b - a]) for j, a, b, off in layout[topo.local_rank]}
+        run.shards[k] = owned
+
+    def _shard_layout(self, k: int, entries) -> tuple[list, int]:
+        """Per rank, where each of its pieces of segment k's gradients sits in its chunk."""
+        if k not in self._layouts:
+            seg = self.schedule.segments[k]
+            ranks = self.program.topo.local
+            layout = [[] for _ in range(ranks)]
+            for r in range(ranks):
+                off = 0
+                for j, (index, _) in enumerate(seg.grads):
+                    for a, b in entries[index].shards[r]:
+                        layout[r].append((j, a, b, off))
+                        off += b - a
+            chunk = max((sum(b - a for _, a, b, _ in pieces) for pieces in layout), default=0)
+            self._layouts[k] = (layout, max(chunk, 1))
+        return self._layouts[k]
+
     def _wait(self, run: _Run, node: fx.Node) -> None:
         run.pool.wait(node.meta[STEP].segment)
 
@@ -209,6 +266,14 @@ class DirectionRunner:
     def _grad_offload(self, run: _Run, node: fx.Node) -> None:
         k = node.meta[STEP].segment
         seg = self.schedule.segments[k]
+        if k in run.shards:   # data parallelism: this rank's summed parts only
+            owned = run.shards.pop(k)
+            items = []
+            for j, (index, _) in enumerate(seg.grads):
+                part, piece = (owned[j][2], owned[j][:2]) if j in owned else (None, None)
+                items.append((run.entries[index], part, piece, self.final_offload[index] == k))
+            run.grads_bytes += self.program.grads.offload_pieces(items)
+            return
         items = []
         for index, name in seg.grads:
             rows_fetched = run.pool.routed_rows.get(index) if index in seg.routed else None
@@ -254,7 +319,9 @@ HANDLERS = {"prefetch": DirectionRunner._prefetch, "wait": DirectionRunner._wait
             "evict": DirectionRunner._evict, "run": DirectionRunner._run,
             "grad_offload": DirectionRunner._grad_offload, "offload": DirectionRunner._offload,
             "reload": DirectionRunner._reload, "output_of": _bound_by_its_run,
-            "value": DirectionRunner._value, "placeholder": _nothing, "output": _nothing}
+            "value": DirectionRunner._value, "placeholder": _nothing, "output": _nothing,
+            "prefetch_shard": DirectionRunner._prefetch_shard, "all_gather": DirectionRunner._all_gather,
+            "reduce_scatter": DirectionRunner._reduce_scatter}
 
 
 def _check_inputs_have_storage(inputs, call: Call, k: int) -> None:

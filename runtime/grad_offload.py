@@ -149,6 +149,33 @@ class GradOffloader:
             slab.busy = future
         return sum(s[5] for s in staged)
 
+    def offload_pieces(self, items: list[tuple["WeightEntry", torch.Tensor | None, tuple | None, bool]]) -> int:  # noqa: F821
+        """Data parallelism: send this rank's summed parts of one segment's gradients (entry,
+        device fp32 part or None, its element range, whether this completes the weight's
+        gradient) into the node's shared gradients; returns the bytes that cross the link."""
+        event = None
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                staged = [(e, None if t is None else t.to("cpu", non_blocking=True), piece, final)
+                          for e, t, piece, final in items]
+                for _, t, _, _ in items:
+                    if t is not None:
+                        t.record_stream(self.stream)
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+        else:
+            staged = [(e, t if t is None or t.device.type == "cpu" else t.to("cpu"), piece, final)
+                      for e, t, piece, final in items]
+        moved = sum(t.numel() * t.element_size() for _, t, _, _ in items if t is not None)
+        if not self.overlap:
+            _land_pieces(None, staged, self._completed)
+            return moved
+        while len(self.pending) >= self.max_pending:
+            self.pending.popleft().result()
+        self.pending.append(self.worker().submit(_land_pieces, event, staged, self._completed))
+        return moved
+
     def drain(self) -> None:
         """Return once every offloaded gradient is in `param.grad` (re-raises a worker error)."""
         while self.pending:
@@ -160,6 +187,15 @@ def _land(event, staged, completed) -> None:
         event.synchronize()   # the copies into the pinned host tensors are complete
     for entry, host, rows, final, borrowed in staged:
         entry.add_host_grad(host, rows, borrowed)
+        if final:
+            completed(entry)
+
+
+def _land_pieces(event, staged, completed) -> None:
+    if event is not None:
+        event.synchronize()
+    for entry, host, piece, final in staged:
+        entry.add_grad_piece(host, piece)
         if final:
             completed(entry)
 

@@ -80,6 +80,20 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     return arena
 
 
+def _register(tensor: torch.Tensor, nbytes: int) -> None:
+    """Register a page-aligned host range with CUDA (a node heap's arena: its pages are the
+    node's, each rank registers them for its own context)."""
+    span = -(-nbytes // _PAGE) * _PAGE
+    err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), span, _REGISTER_PORTABLE)
+    if int(err) != 0:
+        _clear_cuda_error()
+        import warnings
+        warnings.warn(f"megatrain: cudaHostRegister of {nbytes / 2**30:.2f} GiB of the node's shared memory failed "
+                      f"({err}); its weights are copied to the device without overlap.", stacklevel=3)
+    else:
+        weakref.finalize(tensor, _unregister, tensor.data_ptr())
+
+
 def _clear_cuda_error() -> None:
     """Reset CUDA's last-error state after a failed runtime call. torch checks
     cudaGetLastError() after each kernel launch, so a failed cudaHostRegister left there would
@@ -110,10 +124,14 @@ def _pin_alone(entry) -> None:
     _rebind(entry, src.pin_memory())
 
 
-def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
+def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
     """Put the transfer copies of `segments` (schedule segments: `.weights`, `.routed`) into
     arenas; returns flat index -> its row (rows already built for these parameters are reused).
-    With `pin` (CUDA), arenas are registered and the weights left out are pinned one by one."""
+    With `pin` (CUDA), arenas are registered and the weights left out are pinned one by one.
+    With `heap` (data parallelism, runtime/node_heap.py) the arenas and the weights left out
+    live in the node's shared memory, each row padded to a page per rank, and every weight gets
+    its owners (`ownership`)."""
+    ranks = heap.topo.local if heap is not None else 1
     owners = collections.Counter(i for seg in segments for i in dict.fromkeys(seg.weights))
     rows: dict[int, ArenaRow] = {}
     new: dict[tuple, list] = collections.defaultdict(list)   # layout signature -> segments' weights
@@ -132,7 +150,13 @@ def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
         new[signature].append(own)
     for signature, members in new.items():
         offsets, row_bytes = layout([(shape, dtype) for shape, dtype in signature])
-        arena = _allocate(row_bytes * len(members), pin)
+        if heap is not None:   # each rank's slice of a row: whole pages (ownership below)
+            row_bytes = -(-row_bytes // (ranks * _PAGE)) * ranks * _PAGE
+            arena = heap.alloc((row_bytes * len(members),), torch.uint8)
+            if pin:
+                _register(arena, arena.numel())
+        else:
+            arena = _allocate(row_bytes * len(members), pin)
         raw = memoryview(arena.numpy())
         for r, own in enumerate(members):
             base = r * row_bytes
@@ -148,12 +172,72 @@ def build(segments, entries: dict, pin: bool) -> dict[int, ArenaRow]:
             row = ArenaRow(arena[base: base + row_bytes], tuple(own), offs, ptrs, row_bytes)
             for i in own:
                 entries[i].arena_row = row
+                entries[i].shared = heap is not None
                 rows[i] = row
-    if pin:
+    if heap is not None:
+        for i in sorted(entries):
+            if i not in rows:
+                _share_alone(entries[i], heap, pin)
+        ownership(entries, rows, ranks, heap.topo.local_rank)
+        from ..distributed import barrier   # (nobody updates a weight before every rank has written its copy)
+        barrier(heap.topo, "building the node's weight arenas", heap.topo.node_host_group)
+    elif pin:
         for i, entry in entries.items():
             if i not in rows:
                 _pin_alone(entry)
     return rows
+
+
+def _share_alone(entry, heap, pin: bool) -> None:
+    """(data parallelism) A weight outside the rows into the node heap, alone."""
+    if entry.shared:
+        return
+    src = entry.source()
+    if src.device.type != "cpu" or not src.is_contiguous():
+        raise RuntimeError(f"megatrain: weight {entry.name} is not a contiguous host tensor; data parallelism needs "
+                           "every weight in the node's shared memory")
+    t = heap.alloc(src.shape, src.dtype)
+    with torch.no_grad():
+        t.copy_(src)
+    if pin and t.numel():
+        _register(t, t.numel() * t.element_size())
+    _rebind(entry, t)
+    entry.shared = True
+
+
+def ownership(entries: dict, rows: dict[int, ArenaRow], ranks: int, rank: int) -> None:
+    """Which rank of the node updates which elements of each weight (`entry.shards`).
+
+        row (ranks = 2)   | q_proj      | pad | k_proj | pad | ... | down_proj | pad |
+                          |<----- rank 0's slice ----->|<------ rank 1's slice ------>|
+        q_proj: rank 0 [0, n);  k_proj: rank 0 [0, m), rank 1 [m, n_k); ...
+
+    A row's rank r owns bytes [r*S, (r+1)*S) with S = row bytes / ranks (whole pages): each
+    weight's elements in that range. A weight outside the rows (a tied embedding) has one
+    owner for all of it, the rank with the fewest such bytes so far (largest weights first,
+    ties by flat index): the same answer on every rank."""
+    load = [0] * ranks
+    loose = sorted((i for i in entries if i not in rows), key=lambda i: (-entries[i].nbytes, i))
+    for i, entry in entries.items():
+        if i not in rows:
+            continue
+        row = rows[i]
+        size = row.nbytes // ranks
+        t = entry.source()
+        e, n = t.element_size(), t.numel()
+        off = row.offsets[i]
+        shards = []
+        for r in range(ranks):
+            a = max(0, (r * size - off) // e)
+            b = min(n, max(0, ((r + 1) * size - off) // e))
+            shards.append([(a, b)] if b > a else [])
+        entry.shards, entry.rank = tuple(shards), rank
+    for i in loose:
+        owner = min(range(ranks), key=lambda r: (load[r], r))
+        load[owner] += entries[i].nbytes
+        n = entries[i].param.numel()
+        entries[i].shards = tuple([(0, n)] if r == owner else [] for r in range(ranks))
+        entries[i].rank = rank
 
 
 # gradient slabs ---------------------------------------------------------------------------

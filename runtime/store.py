@@ -46,6 +46,19 @@ class WeightEntry:
     # the state tier holding its fp32 master (runtime/state_tier.py); `master` is then a 4-byte
     # stand-in with the parameter's shape and the values are read and written through the tier
     tier: object = None
+    # data parallelism (runtime/node_heap.py): the node's shared AdamW moments and fp32 gradient
+    # of this weight (every rank maps them; each writes only the parts it owns), and which
+    # element ranges of the flattened weight each rank of the node owns (runtime/host_arena.py)
+    moments: tuple | None = None
+    grad_home: torch.Tensor | None = None
+    shards: tuple | None = None        # per local rank: [(start, end), ...]
+    rank: int = 0                      # this process's local rank (its ranges: shards[rank])
+    shared: bool = False               # its transfer copy (p.data) is in the node heap
+
+    @property
+    def pieces(self) -> list[tuple[int, int]] | None:
+        """The element ranges of the flattened weight this rank updates (None: all, one process)."""
+        return None if self.shards is None else self.shards[self.rank]
 
     def __deepcopy__(self, memo) -> None:   # a copied parameter is a new weight: no entry yet
         return None
@@ -131,6 +144,29 @@ class WeightEntry:
             p.grad = host.contiguous()
             p.data = transfer
 
+    def add_grad_piece(self, host: torch.Tensor | None, piece: tuple[int, int] | None) -> None:
+        """Data parallelism: add this rank's summed part `host` (fp32, flat) of the gradient into
+        elements `piece` of the node's shared gradient, which becomes `param.grad` on every rank
+        (None: this rank owns no part of this weight, its gradient only exists)."""
+        p = self.param
+        self.wait_ready()
+        fresh = p.grad is None
+        if fresh:
+            grad = self.grad_home
+            if p.dtype == grad.dtype:
+                p.grad = grad
+            else:   # (as in add_host_grad: assigned while the parameter shows its fp32 master)
+                transfer = p.data
+                p.data = self.master
+                p.grad = grad
+                p.data = transfer
+        if host is not None:
+            target = p.grad.view(-1)[piece[0]:piece[1]]
+            if fresh:
+                target.copy_(host)
+            else:
+                target.add_(host)
+
     def _take_spare(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """The spare gradient if it fits and nothing but this entry refers to it (a user's
         reference to the old `p.grad`, or a view of it, keeps it theirs: it is then left alone)."""
@@ -196,6 +232,12 @@ def _live_entries(optimizer: torch.optim.Optimizer):
 
 
 def _pre_step(optimizer, args, kwargs):
+    if not getattr(optimizer, "updates_transfer_copies", False) and any(
+            entry_of(p) is not None and entry_of(p).shards is not None for g in optimizer.param_groups
+            for p in g["params"]):
+        raise RuntimeError("megatrain: under data parallelism each rank updates only its part of the node's shared "
+                           f"weights; {type(optimizer).__name__} would update all of them on every rank. Use "
+                           "megacompile.HostAdamW.")
     for entry in _live_entries(optimizer):
         entry.to_master()
 
@@ -213,9 +255,35 @@ def _install_hooks() -> None:
         _HOOKS_INSTALLED = True
 
 
-def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool) -> dict[int, WeightEntry]:
-    """Entries for the given parameters (flat index -> entry), created once per parameter."""
-    return {index: _entry_for(p, names[index], pin) for index, p in params.items()}
+def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool, heap=None) -> dict[int, WeightEntry]:
+    """Entries for the given parameters (flat index -> entry), created once per parameter. With
+    `heap` (data parallelism, runtime/node_heap.py) the fp32 masters, AdamW moments and fp32
+    gradients of the trainable ones live in the node's shared memory (allocated in flat index
+    order: the same offsets on every rank)."""
+    entries = {index: _entry_for(p, names[index], pin) for index, p in params.items()}
+    if heap is not None:
+        for index in sorted(entries):
+            _to_heap(entries[index], heap)
+    return entries
+
+
+def _to_heap(entry: WeightEntry, heap) -> None:
+    """Move a trainable entry's master into the node heap and give it shared moments and a
+    gradient (every rank writes the same values now; nothing updates them before the ranks
+    meet at the arenas' barrier, runtime/host_arena.py)."""
+    p = entry.param
+    if entry.grad_home is not None or not p.requires_grad:
+        return
+    if entry.tier is not None:
+        raise RuntimeError("megatrain: the state tier (nvme) is not available with data parallelism yet")
+    _install_hooks()   # (a torch optimizer on the shared weights is refused: _pre_step)
+    if entry.master is not None:
+        master = heap.alloc(p.shape, torch.float32)
+        master.copy_(entry.master)
+        entry.master = master
+    shape = p.shape
+    entry.moments = (heap.alloc(shape, torch.float32), heap.alloc(shape, torch.float32))
+    entry.grad_home = heap.alloc(shape, torch.float32)
 
 
 def _entry_for(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:

@@ -39,6 +39,16 @@ class Resident:
     nbytes: int
     event: object = None
     routed: list = None        # views whose rows are fetched by routing
+    gather: tuple = None       # data parallelism: (row bytes to all-gather, end of the rest to all-reduce)
+
+
+def _sum_owned(res: Resident, head: int, end: int, group) -> None:
+    """All-reduce (sum) each weight outside the row in its own dtype (a sum of bytes would carry
+    between elements), in place: they are contiguous views of the buffer."""
+    import torch.distributed as dist
+    for view in res.views.values():
+        if head <= view.data_ptr() - res.buffer.data_ptr() < end:
+            dist.all_reduce(view, group=group)
 
 
 @dataclass
@@ -64,11 +74,16 @@ class DeviceWeightPool:
         self.counters = PoolCounters(resident_bytes=self.counters.resident_bytes,
                                      peak_resident_bytes=self.counters.resident_bytes)
 
-    def fetch(self, key: int, entries: dict[int, "WeightEntry"], routed=(), rows=None) -> None:  # noqa: F821
+    def fetch(self, key: int, entries: dict[int, "WeightEntry"], routed=(), rows=None,  # noqa: F821
+              shard: tuple[int, int] | None = None) -> None:
         """Copy a segment's weights into one device buffer. `routed` weights (stacked experts)
         get their place in the buffer but no copy: their bodies fetch the rows the router picks
         (`runtime/expert_rows.py`). `rows` (flat index -> host arena row): weights whose row is
-        intact arrive in one copy of the row, laid out as the buffer's head."""
+        intact arrive in one copy of the row, laid out as the buffer's head.
+
+        `shard=(ranks, rank)` (data parallelism): copy only this rank's part, its slice of the
+        row and the elements of the other weights it owns (`entry.shards`), zeros elsewhere;
+        `gather` then completes the buffer from the other ranks' parts."""
         if len(self.resident) >= self.slots:
             raise ResidencyError(
                 f"schedule asked for more than slots={self.slots} resident segments "
@@ -88,30 +103,58 @@ class DeviceWeightPool:
         copies = 0
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
+        moved = 0
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if row is not None:
+            if row is not None and shard is not None:   # this rank's slice of the row
+                size = head // shard[0]
+                part = slice(shard[1] * size, (shard[1] + 1) * size)
+                buffer[part].copy_(row.buffer[part], non_blocking=stream is not None)
+                copies, moved = copies + 1, moved + size
+            elif row is not None:
                 buffer[:head].copy_(row.buffer, non_blocking=stream is not None)
-                copies += 1
+                copies, moved = copies + 1, moved + head
+            if shard is not None and rest_bytes:
+                buffer[head:].zero_()   # (summed over the ranks: each adds the elements it owns)
             for i, src in sources.items():
                 n = src.numel() * src.element_size()
                 view = buffer[offsets[i]:offsets[i] + n].view(src.dtype).view(src.shape)
                 if i in routed:
                     expert_rows.expect(view, src, i, self)
+                elif (row is None or i not in row.offsets) and shard is not None:
+                    for a, b in entries[i].shards[shard[1]]:
+                        view.view(-1)[a:b].copy_(src.view(-1)[a:b], non_blocking=stream is not None)
+                        copies, moved = copies + 1, moved + (b - a) * src.element_size()
                 elif row is None or i not in row.offsets:
                     view.copy_(src, non_blocking=stream is not None)
-                    copies += 1
+                    copies, moved = copies + 1, moved + n
                 views[i] = view
         event = None
         if stream is not None:
             event = torch.cuda.Event()
             event.record(stream)
         nbytes = sum(s.numel() * s.element_size() for s in sources.values())
-        self.resident[key] = Resident(buffer, views, nbytes, event, [views[i] for i in routed])
+        self.resident[key] = Resident(buffer, views, nbytes, event, [views[i] for i in routed],
+                                      (head, head + rest_bytes) if shard is not None else None)
         c = self.counters
-        c.h2d_bytes += sum(s.numel() * s.element_size() for i, s in sources.items() if i not in routed)
+        c.h2d_bytes += moved
         c.h2d_copies += copies
         c.resident_bytes += nbytes
         c.peak_resident_bytes = max(c.peak_resident_bytes, c.resident_bytes)
+
+    def gather(self, key: int, group, rank: int) -> None:
+        """(data parallelism) Complete a sharded fetch from every rank's part: the row by an
+        in-place all-gather of the slices, the other weights by an all-reduce of the owned
+        elements over zeros (exact: each element is one rank's value plus zeros)."""
+        import torch.distributed as dist
+        from ..distributed import all_gather_into
+        res = self.resident[key]
+        self.wait(key)   # (the collectives run on the compute stream, after this rank's copy)
+        head, end = res.gather
+        if head:
+            size = head // dist.get_world_size(group)
+            all_gather_into(res.buffer[:head], res.buffer[rank * size:(rank + 1) * size], group)
+        if end > head:
+            _sum_owned(res, head, end, group)
 
     def wait(self, key: int) -> None:
         res = self.resident[key]
