@@ -96,7 +96,9 @@ class Program:
         if self.topo.enabled:
             _check_data_parallel(options)
             from .runtime.node_heap import NodeHeap
-            self.heap = NodeHeap(self.topo, f"g{next(self.topo.counter)}")
+            # one heap for every program of the job: a graph Dynamo recompiles (on one rank, for a
+            # new shape) reuses what the first one placed there, and maps nothing new
+            self.heap = self.topo.shared.setdefault("heap", NodeHeap(self.topo, "state"))
         if runtime:
             # (pinned later, when the schedule is known: host arenas per layer kind, runtime/host_arena.py)
             self.grads = GradOffloader(device, overlap=options.overlap_grads)

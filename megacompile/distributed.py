@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import uuid
-import itertools
 import weakref
 from dataclasses import dataclass, field
 
@@ -59,7 +58,9 @@ class Topology:
     node_group: object = None    # the ranks of this node (the state's owners), the default backend: device collectives
     node_host_group: object = None   # the same ranks over gloo: host-side barriers and objects
     host_group: object = None    # a gloo group over the world: agreement, objects, barriers on the host
-    counter: object = field(default_factory=itertools.count, compare=False, repr=False)   # node heap names
+    # what the processes of this job share per topology (the node heap: runtime/node_heap.py), made
+    # at first use by whoever needs it
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def enabled(self) -> bool:

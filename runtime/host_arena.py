@@ -39,6 +39,15 @@ class ArenaRow:
     offsets: dict[int, int]       # flat index -> byte offset in the row
     ptrs: dict[int, int]          # flat index -> data_ptr its transfer copy must have
     nbytes: int
+    members: tuple = ()           # the weights' store entries, in layout order
+
+    def for_indices(self, index_of: dict[int, int]) -> "ArenaRow":
+        """This row as a program with other flat indices sees it (`index_of`: id(entry) -> its
+        index there): a graph Dynamo recompiled numbers its inputs differently."""
+        order = tuple(index_of[id(e)] for e in self.members)
+        old = dict(zip(self.order, order))
+        return ArenaRow(self.buffer, order, {old[i]: o for i, o in self.offsets.items()},
+                        {old[i]: p for i, p in self.ptrs.items()}, self.nbytes, self.members)
 
     def intact(self, sources: dict[int, torch.Tensor]) -> bool:
         """Whether each weight's current transfer copy is still the row's slice."""
@@ -132,6 +141,7 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
     live in the node's shared memory, each row padded to a page per rank, and every weight gets
     its owners (`ownership`)."""
     ranks = heap.topo.local if heap is not None else 1
+    allocated = heap.allocated if heap is not None else 0
     owners = collections.Counter(i for seg in segments for i in dict.fromkeys(seg.weights))
     rows: dict[int, ArenaRow] = {}
     new: dict[tuple, list] = collections.defaultdict(list)   # layout signature -> segments' weights
@@ -143,9 +153,12 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
             continue
         existing = {entries[i].arena_row for i in own}
         row = next(iter(existing)) if len(existing) == 1 else None
-        if row is not None and set(row.order) == set(own) and row.intact(sources):
-            rows.update(dict.fromkeys(own, row))
-            continue
+        if row is not None and {id(e) for e in row.members} == {id(entries[i]) for i in own}:
+            # built by this program or by an earlier compile of the same model (other flat indices)
+            row = row.for_indices({id(entries[i]): i for i in own})
+            if row.intact(sources):
+                rows.update(dict.fromkeys(own, row))
+                continue
         signature = tuple((tuple(sources[i].shape), sources[i].dtype) for i in own)
         new[signature].append(own)
     for signature, members in new.items():
@@ -169,7 +182,8 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
                     t.copy_(entries[i].source())
                 _rebind(entries[i], t)
                 ptrs[i], offs[i] = t.data_ptr(), off
-            row = ArenaRow(arena[base: base + row_bytes], tuple(own), offs, ptrs, row_bytes)
+            row = ArenaRow(arena[base: base + row_bytes], tuple(own), offs, ptrs, row_bytes,
+                           tuple(entries[i] for i in own))
             for i in own:
                 entries[i].arena_row = row
                 entries[i].shared = heap is not None
@@ -179,8 +193,9 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
             if i not in rows:
                 _share_alone(entries[i], heap, pin)
         ownership(entries, rows, ranks, heap.topo.local_rank)
-        from ..distributed import barrier   # (nobody updates a weight before every rank has written its copy)
-        barrier(heap.topo, "building the node's weight arenas", heap.topo.node_host_group)
+        if heap.allocated != allocated:   # (a program that placed nothing new: a recompile on one rank)
+            from ..distributed import barrier   # nobody updates a weight before every rank wrote its copy
+            barrier(heap.topo, "building the node's weight arenas", heap.topo.node_host_group)
     elif pin:
         for i, entry in entries.items():
             if i not in rows:

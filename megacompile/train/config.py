@@ -161,6 +161,9 @@ class TrainConfig:
     overlap_optimizer: bool | str | None = _key("training", None, "AdamW on host threads: false, forward (true: "
                                                                   "under the next forward) or backward; none: "
                                                                   "backward on CUDA")
+    # data parallelism (torchrun: megacompile/distributed.py)
+    ddp_timeout: int | float = _key("training", 1800, "seconds a rank waits for the others in a collective before the "
+                                                      "run stops with an error (a peer that hangs or died)")
     # the NVMe state tier (issue 18; tier_keys.py): fp32 masters / AdamW moments on disk
     nvme: str | None = _key("training", None, "SSD profile of the state tier: gen4x1, gen4x4, gen5x1, gen5x4, a JSON "
                                               "profile or measure:DIR[,DIR...]; null: all state in RAM")
@@ -214,6 +217,7 @@ class TrainConfig:
             need(getattr(self, key) >= 1, f"{key}={getattr(self, key)}: must be at least 1.")
         need(self.num_layers is None or self.num_layers >= 1,
              f"num_layers={self.num_layers}: keep at least 1 decoder layer (or leave it unset for all of them).")
+        need(self.ddp_timeout > 0, f"ddp_timeout={self.ddp_timeout}: must be a positive number of seconds.")
         need(self.learning_rate > 0, f"learning_rate={self.learning_rate}: must be positive.")
         need(self.weight_decay >= 0, f"weight_decay={self.weight_decay}: must be 0 or more.")
         need(self.adam_epsilon > 0, f"adam_epsilon={self.adam_epsilon}: must be positive (e.g. 1e-8).")

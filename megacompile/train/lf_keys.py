@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # -- NOTED: accepted; what megatrain does instead (one note line per distinct text) ---------------
-_ONE_DEVICE = "megatrain trains on one accelerator and streams the weights from host RAM (no DeepSpeed, FSDP or DDP)"
+_ONE_DEVICE = ("megatrain streams the weights from host RAM and runs its own data parallelism under torchrun (README: "
+               "more than one GPU), not DeepSpeed, FSDP or DDP")
 _RECOMPUTE = "megatrain always recomputes each decoder layer in the backward (activation checkpointing is its schedule)"
 _KERNELS = "the megatrain backend chooses the attention and fused kernels itself"
 _LOADER = "batches are collated in the training process (nothing to parallelise: the step waits on the weights)"
@@ -36,10 +37,10 @@ _METHOD_OFF = "it configures a method that is off in this config (its switch is 
 _PROFILER = "megatrain inspect --format chrome-trace shows the step's schedule instead of a torch profile"
 
 NOTED: dict[str, str] = {
-    **dict.fromkeys(("deepspeed", "ddp_timeout", "ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
+    **dict.fromkeys(("deepspeed", "ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
                      "ddp_broadcast_buffers", "ddp_static_graph", "fsdp", "fsdp_config", "local_rank",
                      "log_on_each_node", "save_on_each_node", "accelerator_config", "parallelism_config",
-                     "average_tokens_across_devices", "log_level_replica", "ray_num_workers", "ray_init_kwargs",
+                     "log_level_replica", "ray_num_workers", "ray_init_kwargs",
                      "master_addr", "master_port", "data_shared_file_system", "hyper_parallel_args",
                      "torch_empty_cache_steps", "low_cpu_mem_usage", "offload_folder", "quantization_device_map"),
                     _ONE_DEVICE),
@@ -53,6 +54,8 @@ NOTED: dict[str, str] = {
                      "dataloader_prefetch_factor", "dataloader_multiprocessing_context", "dataloader_in_order",
                      "remove_unused_columns", "length_column_name"),
                     _LOADER),
+    "average_tokens_across_devices": "with several ranks the loss is always divided by the trained tokens of all of "
+                                     "them (one process at the global batch gives the same gradients)",
     "dataloader_drop_last": "an epoch's last incomplete micro-batch is always dropped (every step has the same shape)",
     **dict.fromkeys(("save_only_model", "restore_callback_states_from_checkpoint", "enable_jit_checkpoint",
                      "save_safetensors"), _CHECKPOINT),

@@ -36,21 +36,34 @@ def _diff(saved: dict[str, Any], now: dict[str, Any], keys) -> list[str]:
     return [f"{k}: {saved[k]!r} -> {now.get(k)!r}" for k in keys if k in saved and saved[k] != now.get(k)]
 
 
-def changes(saved: dict[str, Any], now: dict[str, Any], has_fingerprint: bool) -> tuple[list[str], list[str]]:
+def changes(saved: dict[str, Any], now: dict[str, Any], has_fingerprint: bool, saved_world: int = 1,
+            world: int = 1) -> tuple[list[str], list[str]]:
     """(refused, applied) changes from the checkpoint's config `saved` to this run's `now`
-    (both TrainConfig.to_dict())."""
+    (both TrainConfig.to_dict()). With data parallelism the batch that decides the sample order
+    is the global micro-batch (per_device_train_batch_size x ranks): a checkpoint of 2 ranks x 2
+    resumes in 1 process x 4 and the other way round."""
     import dataclasses
 
     from .config import TrainConfig
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    key = "per_device_train_batch_size"
     refused = _diff(saved, now, REFUSED) + ([] if has_fingerprint else _diff(saved, now, DATA))
+    applied_world = []
+    if saved_world != world and key in saved:
+        refused = [r for r in refused if not r.startswith(key + ":")]
+        before, after = saved[key] * saved_world, now.get(key, 0) * world
+        if before != after:
+            refused.insert(0, f"the global micro-batch ({key} x ranks): {saved[key]} x {saved_world} = {before} -> "
+                              f"{now.get(key)} x {world} = {after}")
+        else:
+            applied_world.append(f"ranks: {saved_world} -> {world} (global micro-batch {before} kept)")
     # (a config key the checkpoint's megatrain did not have yet is not a change; a compile option
     # is stored only when set)
     rest = sorted(k for k in set(saved) | set(now) if k not in REFUSED + DATA + IGNORED
                   and (k in saved or k not in fields))
     unset = "(unset)"
-    applied = [f"{k}: {saved.get(k, unset)!r} -> {now.get(k, unset)!r}" for k in rest
-               if saved.get(k, unset) != now.get(k, unset)]
+    applied = applied_world + [f"{k}: {saved.get(k, unset)!r} -> {now.get(k, unset)!r}" for k in rest
+                               if saved.get(k, unset) != now.get(k, unset)]
     return refused, applied
 
 

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .. import log as logs, vlm
+from .. import distributed, log as logs, vlm
+from ..distributed import SINGLE, Topology, agree, all_sum
 from ..errors import ConfigError, TrainingError
 from ..runtime.adamw import HostAdamW, Overlap
 from ..runtime.state_tier import StateTier
@@ -108,10 +109,55 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     (after that step's checkpoint, if one is due), as an interruption would. Everything that can
     be checked is checked before the model's weights are loaded, and nothing in output_dir is
     deleted or moved before the first step starts."""
-    logs.console()   # the run log is this function's user interface
     device = check_device(config)
-    with RunDir(config) as run, contextlib.ExitStack() as cleanup:   # (the state tier's files go at the end)
-        return _train(config, run, device, stop_at_step, progress, cleanup)
+    topo = distributed.setup(device, config.ddp_timeout)   # (torchrun: data parallel over its ranks)
+    # the run log is this function's user interface: rank 0's (the others say only what goes wrong)
+    logs.console()
+    if not topo.writer:
+        logs.console().setLevel("WARNING")
+    try:
+        agree(topo, check_data_parallel, config, topo)
+        if topo.enabled and device.type == "cuda":
+            device = torch.device("cuda", topo.local_rank)
+        with contextlib.ExitStack() as cleanup:   # (the state tier's files go at the end)
+            # only rank 0 owns output_dir (its lock, its checks, its files); the others follow its decisions
+            run = agree(topo, lambda: cleanup.enter_context(RunDir(config)) if topo.writer else None)
+            run = run if topo.writer else _Follower(config, distributed.broadcast(topo, None))
+            if topo.writer:
+                distributed.broadcast(topo, run.resume_from)
+            state = _train(config, run, device, stop_at_step, progress, cleanup, topo)
+        distributed.barrier(topo, "the end of the run")
+        return state
+    finally:
+        distributed.end(topo)
+
+
+class _Follower:
+    """What a rank other than 0 knows of output_dir: where it is and what rank 0 resumes."""
+
+    def __init__(self, config: TrainConfig, resume_from):
+        self.out = Path(config.output_dir).expanduser()
+        self.resume_from = resume_from
+        self.notes: list[str] = []
+
+    def start(self, step: int) -> list[str]:
+        return []
+
+
+def check_data_parallel(config: TrainConfig, topo: Topology) -> None:
+    """What does not run with more than one rank yet (ConfigError before anything loads)."""
+    if not topo.enabled:
+        return
+    off = [(key, why) for key, on, why in (
+        ("nvme", config.nvme is not None, "the state tier"),
+        ("streaming", config.streaming, "streamed data"),
+        ("val_size / eval_dataset", bool(config.val_size or config.eval_dataset), "evaluation"),
+        ("finetuning_type", config.finetuning_type == "lora", "LoRA"),
+    ) if on]
+    if off:
+        key, why = off[0]
+        raise ConfigError(f"{key}: {why} does not run with more than one rank yet ({topo.world} ranks here). Run it "
+                          "in one process, or leave it out.")
 
 
 def _resume_point(run: RunDir, config: TrainConfig) -> checkpoint.Loaded | None:
@@ -137,11 +183,13 @@ def _resume_point(run: RunDir, config: TrainConfig) -> checkpoint.Loaded | None:
                                      + "; ".join(damaged) + ". Start the run again in a new output_dir.")
 
 
-def _check_resume(loaded: checkpoint.Loaded, config: TrainConfig) -> list[str]:
+def _check_resume(loaded: checkpoint.Loaded, config: TrainConfig, world: int = 1) -> list[str]:
     """Refuse the config changes that break the equivalence with the resumed run; returns the
-    ones that are applied."""
+    ones that are applied. The world size may change where the global micro-batch does not."""
     saved = loaded.trainer.get("config") or {}
-    refused, applied = resume.changes(saved, config.to_dict(), "data_fingerprint" in loaded.trainer)
+    saved_world = (loaded.trainer.get("world") or {}).get("size", 1)
+    refused, applied = resume.changes(saved, config.to_dict(), "data_fingerprint" in loaded.trainer,
+                                      saved_world, world)
     if refused:
         raise ConfigError(f"resuming {loaded.path} with {'; '.join(refused)}: these decide the sample order or what is "
                           "trained, so the run would not continue the one in the checkpoint. Set them back, or start a "
@@ -175,8 +223,11 @@ def _tier_error(e: BaseException) -> TierIOError | None:
     return None
 
 
-def _check_weights(optimizer, names: dict[int, str], step: int, out: Path) -> None:
+def _check_weights(optimizer, names: dict[int, str], step: int, out: Path, topo: Topology = SINGLE) -> None:
     bad = [names.get(id(p), "?") for p in optimizer.nonfinite()]
+    # (data parallelism: each rank checked its own pieces; a bad one anywhere stops every rank)
+    if all_sum(topo, [len(bad)], "agreeing on finite weights")[0] and not bad:
+        bad = ["weights another rank updated"]
     if bad:
         raise TrainingError(f"the optimizer step {step} left NaN or inf in {', '.join(bad[:3])}"
                             f"{' ...' if len(bad) > 3 else ''}: the run diverged. Lower learning_rate (or "
@@ -184,31 +235,40 @@ def _check_weights(optimizer, names: dict[int, str], step: int, out: Path) -> No
 
 
 def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step: int | None, progress: bool,
-           cleanup: contextlib.ExitStack) -> dict:
+           cleanup: contextlib.ExitStack, topo: Topology = SINGLE) -> dict:
     out = run.out
     for note in [*config.notes, *run.notes]:   # (config.notes: LLaMA-Factory keys megatrain has no use for)
         say(f"[megatrain] {note}")
-    reporter = open_reporter(config)   # (a tracker's missing package is said before anything loads)
-    loaded = _resume_point(run, config)
-    applied = _check_resume(loaded, config) if loaded is not None else []
-    check_eval_config(config)
-    sources = check_datasets(config)
-    _seed(config.seed)
+    if topo.enabled:
+        say(f"[megatrain] data parallel: {topo.world} ranks ({topo.nodes} node(s) x {topo.local}), one host copy of "
+            f"the state per node; global micro-batch {config.per_device_train_batch_size * topo.world}")
+    # (a tracker's missing package is said before anything loads)
+    reporter = agree(topo, open_reporter, config) if topo.writer else agree(topo, lambda: None)
+    loaded = agree(topo, _resume_point, run, config)
+    applied = agree(topo, _check_resume, loaded, config, topo.world) if loaded is not None else []
+    agree(topo, check_eval_config, config)
+    sources = agree(topo, check_datasets, config)
+    _seed(config.seed + topo.rank)   # (each rank its own dropout; the sample order is seeded apart: data.Order)
     source = ModelSource(config, device)
     arch = source.meta_model()
+    if topo.enabled and is_vlm(arch):
+        agree(topo, _refuse, f"{arch.config.model_type}: a vision-language model does not run with more than one rank "
+                             "yet. Run it in one process.")
     tuning = apply_finetuning(arch, config)   # (the preflight counts what trains; bad module names fail here)
     if tuning:
         say(tuning)
     if config.packing and config.stage == "sft":
         check_packing(arch)
-    placement, ssd = choose_tier(arch, device, config)
-    say(preflight(arch, device, config.vision, placement, ssd))
-    say(plan_check(arch, config, device, placement, ssd))
+    placement, ssd = agree(topo, choose_tier, arch, device, config)
+    say(agree(topo, preflight, arch, device, config.vision, placement, ssd))
+    say(agree(topo, plan_check, arch, config, device, placement, ssd))
     images = image_inputs(config, arch, source.processor)
     if config.streaming:
         data = _stream_data(config, source.tokenizer, images, sources)
-    else:
-        data = _data(config, source.tokenizer, images, sources)
+    else:   # rank 0 tokenizes first (into the cache); the others then read it
+        first = agree(topo, lambda: _data(config, source.tokenizer, images, sources, topo) if topo.writer else None)
+        rest = agree(topo, lambda: None if topo.writer else _data(config, source.tokenizer, images, sources, topo))
+        data = first if topo.writer else rest
     examples, split, order, steps_per_epoch, data_fingerprint = data
     if loaded is not None and loaded.trainer.get("data_fingerprint", data_fingerprint) != data_fingerprint:
         changed = resume.data_changes(loaded.trainer.get("config") or {}, config.to_dict())
@@ -225,7 +285,8 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     model, tokenizer, processor = source.load()
     apply_finetuning(model, config)   # before compile: the store makes masters only for what trains
     # the trainer reads only the loss: the LM head and the loss run fused, no [tokens, vocab] logits
-    compile_options = {"logits": "drop", **config.megatrain}
+    # (with several ranks each loss is already divided by every rank's tokens: the gradients add up)
+    compile_options = {"logits": "drop", "grad_reduce": "sum", **config.megatrain}
     if device.type == "cuda" and compile_options.get("device_budget") is None:
         # the device half of the preflight: the backend plans the step's peak before any training
         # work and refuses a schedule that does not fit in the free device memory
@@ -259,25 +320,29 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
             say(f"[megatrain] the stream reads past the {order.consumed} examples of its epoch {order.epoch} that "
                 "were trained on (tokenized again, not trained) to reach the checkpoint's position")
     if finished:
-        _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
+        agree(topo, lambda: _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
+              if topo.writer else None)
         say(f"[megatrain] nothing left to train (step {state['step']} of {total}); exported the model of "
             f"{loaded.path} to {out}")
         return state
 
-    for note in run.start(state["step"]):   # the old run's files go, or a resumed branch's later ones retire
-        say(f"[megatrain] {note}")
-    (out / LOG_NAME).touch()   # first: the trackers' folders count as this run's only next to its log (run_dir.py)
-    reporter.start(out, config)
+    def start():
+        for note in run.start(state["step"]):   # the old run's files go, or a resumed branch's later ones retire
+            say(f"[megatrain] {note}")
+        (out / LOG_NAME).touch()   # first: the trackers' folders count as this run's only next to its log (run_dir.py)
+        reporter.start(out, config)
+    agree(topo, start if topo.writer else lambda: None)
     names = {id(p): n for n, p in model.named_parameters()}
     peak_tflops, peak_why = device_peak(config, device, next(model.parameters()).dtype)
     say(f"[megatrain] MFU in the log is against the {peak_why}")
     from tqdm.auto import tqdm
-    bar = tqdm(total=total, initial=state["step"], disable=not progress, desc="train", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=state["step"], disable=not progress or not topo.writer, desc="train",
+               dynamic_ncols=True)
     try:
         ran, skipped = _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state,
                              total, steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step,
                              evals=(EvalSchedule(config, total, steps_per_epoch), split.parts or split.examples),
-                             flops=(FlopCounter(model), peak_tflops), saver=processor or tokenizer)
+                             flops=(FlopCounter(model), peak_tflops), saver=processor or tokenizer, topo=topo)
     except (OSError, RuntimeError) as e:
         tier_error = _tier_error(e)
         if tier_error is not None:   # the state tier's files: the checkpoints are untouched
@@ -306,22 +371,26 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
                 if _tier_error(e) is None:
                     raise
     optimizer.synchronize()
-    _check_weights(optimizer, names, state["step"], out)
-    reporter.close()
+    _check_weights(optimizer, names, state["step"], out, topo)
+    if reporter is not None:
+        reporter.close()
     if ran and 2 * skipped > ran:
         raise TrainingError(f"{skipped} of this run's {ran} steps were skipped (non-finite loss or gradient norm): the "
                             "model trained little or nothing, so it is not exported. Lower learning_rate, check the "
                             f"data for NaN/inf; {_last_checkpoint(out)}.")
     if state["step"] >= total:
-        _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
-        _plot(out)
+        def export():
+            _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
+            _plot(out)
+        agree(topo, export if topo.writer else lambda: None)
         say(f"[megatrain] done: {state['step']} steps, {state['trained_tokens']} trained tokens, "
             f"{state['skipped_steps']} skipped; the model is in {out}")
     return state
 
 
-def _data(config: TrainConfig, tokenizer, images, sources: dict):
-    """The tokenized training data: (examples, eval split, order, steps per epoch, fingerprint)."""
+def _data(config: TrainConfig, tokenizer, images, sources: dict, topo: Topology = SINGLE):
+    """The tokenized training data: (examples, eval split, order, steps per epoch, fingerprint).
+    The order is over global micro-batches (every rank's together: data parallelism)."""
     examples, counts = build_examples(config, tokenizer, images)
     for name, where in sources.items():
         say(f"[megatrain] data set {name}: {where} ({counts['records'][name]} records)")
@@ -337,10 +406,11 @@ def _data(config: TrainConfig, tokenizer, images, sources: dict):
     if split.note:
         say(f"[megatrain] {split.note}")
     batch, accum = config.per_device_train_batch_size, config.gradient_accumulation_steps
-    order = Order(len(examples), batch, config.seed, shuffle=not config.disable_shuffling)
+    order = Order(len(examples), batch * topo.world, config.seed, shuffle=not config.disable_shuffling)
     steps_per_epoch = order.batches_per_epoch // accum
     if steps_per_epoch == 0:
-        raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch} x "
+        ranks = f" x {topo.world} ranks" if topo.enabled else ""
+        raise ConfigError(f"{len(examples)} examples make no full step of per_device_train_batch_size={batch}{ranks} x "
                           f"gradient_accumulation_steps={accum}: lower them or add data.")
     return examples, split, order, steps_per_epoch, fingerprint(examples)
 
@@ -365,7 +435,7 @@ def _stream_data(config: TrainConfig, tokenizer, images, sources: dict):
 
 def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, tokenizer, state, total,
           steps_per_epoch, data_fingerprint, reporter, bar, out, stop_at_step, evals=None, flops=None,
-          saver=None) -> tuple[int, int]:
+          saver=None, topo: Topology = SINGLE) -> tuple[int, int]:
     """The training steps, from state["step"] to `total` (or `stop_at_step`); returns how many
     steps ran and how many of them were skipped. `evals`: (evaluate.Schedule, eval examples);
     `flops`: (flops.FlopCounter, the device's peak TFLOP/s) for the log's tflops and mfu;
@@ -375,23 +445,29 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
     counter, peak_tflops = flops if flops is not None else (None, 0.0)
     window: list[tuple[float, int, float, float]] = []   # (loss, trained tokens, seconds, FLOPs) since the last log
     ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
-    with open(out / LOG_NAME, "a") as log:
+    per = config.per_device_train_batch_size
+    mine = slice(topo.rank * per, (topo.rank + 1) * per)   # this rank's part of each global micro-batch
+    with open(out / LOG_NAME, "a") if topo.writer else contextlib.nullcontext(_NoLog()) as log:
         while state["step"] < total:
             t0 = time.perf_counter()
-            picked = [order.next_examples(examples) for _ in range(accum)]
+            picked = [order.next_examples(examples)[mine] for _ in range(accum)]
             micro = [collate(b, tokenizer.pad_token_id, images=images) for b in picked]
             tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
+            # (the loss is a sum over tokens / the step's trained tokens over every rank: the ranks'
+            # gradients then add up to one process's at the global batch)
+            tokens = int(all_sum(topo, [tokens], "the all-reduce of the step's token count")[0])
             count = torch.tensor(max(tokens, 1))
             loss = 0.0
             for i, mb in enumerate(micro):
                 # sum over tokens / the step's trained tokens: accumulation gives the mean over the step
                 out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
                 if i == 0:   # every weight has been fetched, so the last step's updates are all done
-                    _check_weights(optimizer, names, state["step"], out)
+                    _check_weights(optimizer, names, state["step"], out, topo)
                 if i == len(micro) - 1:
                     optimizer.arm()   # overlap_optimizer=backward: layers update as their gradients land
                 out_mb.loss.backward()
                 loss += out_mb.loss.item()
+            loss = all_sum(topo, [loss], "the all-reduce of the loss")[0]   # (each rank's share of the mean)
             norm = optimizer.grad_norm()
             # clipping by the global norm: the factor is applied inside the optimizer's pass
             # (runtime/adamw.py), not by a pass of its own over the gradients; updates made during
@@ -432,7 +508,8 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                     row["optimizer_overlap"] = dict(optimizer.counters)   # (cumulative counts)
                 log.write(json.dumps(row) + "\n")
                 log.flush()
-                reporter.log(row, state["step"], prefix="train")   # report_to's trackers (report.py)
+                if reporter is not None:
+                    reporter.log(row, state["step"], prefix="train")   # report_to's trackers (report.py)
                 window = []
             if streak >= config.max_consecutive_skipped_steps:
                 first = state["step"] - streak + 1
@@ -457,14 +534,32 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                     bar.write(f"[megatrain] step {state['step']}: {key}loss {eval_loss:.4f} over {eval_tokens} tokens")
             if state["step"] % config.save_steps == 0 or state["step"] == total:
                 optimizer.synchronize()
-                _check_weights(optimizer, names, state["step"], out)
-                checkpoint.save(out, state["step"], model, optimizer,
-                                {"scheduler": scheduler.state_dict(), "data": order.state_dict(), "state": state,
-                                 "config": config.to_dict(), "data_fingerprint": data_fingerprint},
-                                config.save_total_limit, saver=saver)
+                _check_weights(optimizer, names, state["step"], out, topo)   # (also: every rank's updates are in)
+                trainer_state = {"scheduler": scheduler.state_dict(), "data": order.state_dict(), "state": state,
+                                 "config": config.to_dict(), "data_fingerprint": data_fingerprint}
+                if topo.enabled:   # (resuming with another world size keeps the global micro-batch)
+                    trainer_state["world"] = {"size": topo.world, "local": topo.local, "nodes": topo.nodes,
+                                              "global_micro_batch": per * topo.world}
+                # rank 0 writes the node's shared state; the others wait for it (a failure stops all)
+                agree(topo, lambda: checkpoint.save(out, state["step"], model, optimizer, trainer_state,
+                                                    config.save_total_limit, saver=saver) if topo.writer else None)
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     return ran, skipped
+
+
+def _refuse(text: str) -> None:
+    raise ConfigError(text)
+
+
+class _NoLog:
+    """The run log of a rank that does not write one."""
+
+    def write(self, text: str) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
 
 
 def _epoch(state: dict, steps_per_epoch: int | None, order) -> float:
