@@ -161,10 +161,17 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
                 continue
         signature = tuple((tuple(sources[i].shape), sources[i].dtype) for i in own)
         new[signature].append(own)
+    def padded(row_bytes: int) -> int:   # (data parallelism: each rank's slice of a row is whole pages)
+        return -(-row_bytes // (ranks * _PAGE)) * ranks * _PAGE if heap is not None else row_bytes
+    if heap is not None:   # the rows and the weights left out, in one chunk of exactly their bytes
+        loose = [entries[i].source() for i in sorted(entries) if not entries[i].shared
+                 and not any(i in own for members in new.values() for own in members)]
+        heap.reserve(sum(heap.span((padded(layout(list(sig))[1]) * len(members),), torch.uint8)
+                         for sig, members in new.items()) + sum(heap.span(t.shape, t.dtype) for t in loose))
     for signature, members in new.items():
         offsets, row_bytes = layout([(shape, dtype) for shape, dtype in signature])
-        if heap is not None:   # each rank's slice of a row: whole pages (ownership below)
-            row_bytes = -(-row_bytes // (ranks * _PAGE)) * ranks * _PAGE
+        if heap is not None:
+            row_bytes = padded(row_bytes)
             arena = heap.alloc((row_bytes * len(members),), torch.uint8)
             if pin:
                 _register(arena, arena.numel())

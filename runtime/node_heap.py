@@ -8,9 +8,10 @@ rank of the node (data parallelism, megacompile/distributed.py).
                           of its own (torch.frombuffer): safetensors and deepcopy see separate tensors
 
 Allocation is deterministic: the same calls in the same order on every rank of a node give the
-same offsets, so rank r's tensor k and rank s's tensor k are the same bytes. When a chunk is
-full, the next alloc maps a new one: a collective over the node's ranks, which every rank
-reaches at the same call because they allocate alike. The leader reserves the chunk's pages
+same offsets, so rank r's tensor k and rank s's tensor k are the same bytes. `reserve(n)` maps
+a chunk of exactly the n bytes a batch of allocations will take (the store's state of all
+parameters, the arenas' rows) when the current one lacks room: a collective over the node's
+ranks, which every rank reaches at the same call because they allocate alike. The leader reserves the chunk's pages
 (`posix_fallocate`) so that a /dev/shm too small fails here with a message, not later with a
 SIGBUS on first touch; the pages are the node's once (each process's Pss holds its share).
 """
@@ -31,19 +32,32 @@ SHM_DIR = "/dev/shm"
 
 
 class NodeHeap:
-    def __init__(self, topo: Topology, name: str, chunk_bytes: int = 1 << 30, directory: str = SHM_DIR):
+    def __init__(self, topo: Topology, name: str, chunk_bytes: int = 16 << 20, directory: str = SHM_DIR):
         self.topo, self.name, self.chunk_bytes, self.directory = topo, name, chunk_bytes, directory
         self.chunks: list[tuple[torch.Tensor, memoryview]] = []   # (uint8 mapping, its memoryview)
         self.used = 0          # bytes handed out from the last chunk
         self.nbytes = 0        # bytes mapped in all
         self.allocated = 0     # bytes handed out in all (aligned)
 
+    @staticmethod
+    def span(shape, dtype: torch.dtype, align: int = _PAGE) -> int:
+        """The bytes `alloc(shape, dtype)` takes."""
+        n = int(torch.Size(shape).numel()) * dtype.itemsize
+        return max(-(-n // align) * align, align)
+
+    def reserve(self, nbytes: int) -> None:
+        """Make room for `nbytes` of allocations to come (the sum of their `span`s) in one
+        chunk of exactly what is missing: the callers know what they will place (the store its
+        parameters' state, the arenas their rows), so nothing is reserved that is not used."""
+        if not self.chunks or self.used + nbytes > self.chunks[-1][0].numel():
+            self._map(-(-nbytes // _PAGE) * _PAGE)
+
     def alloc(self, shape, dtype: torch.dtype, align: int = _PAGE) -> torch.Tensor:
         """A tensor of `shape` and `dtype` in the node's shared memory (zeros until written)."""
         n = int(torch.Size(shape).numel()) * dtype.itemsize
-        span = max(-(-n // align) * align, align)
+        span = self.span(shape, dtype, align)
         if not self.chunks or self.used + span > self.chunks[-1][0].numel():
-            self._map(max(self.chunk_bytes, -(-span // _PAGE) * _PAGE))
+            self._map(max(self.chunk_bytes, span))
         _, raw = self.chunks[-1]
         start = self.used
         self.used += span

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "data"
