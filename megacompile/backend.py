@@ -94,7 +94,7 @@ class Program:
         self.topo = distributed.current(device) if runtime and options.data_parallel == "auto" else distributed.SINGLE
         self.heap = None
         if self.topo.enabled:
-            _check_data_parallel(options)
+            _check_data_parallel(options, self.topo)
             from .runtime.node_heap import NodeHeap
             # one heap for every program of the job: a graph Dynamo recompiles (on one rank, for a
             # new shape) reuses what the first one placed there, and maps nothing new
@@ -274,9 +274,12 @@ class Program:
         }
 
 
-def _check_data_parallel(options: Options) -> None:
+def _check_data_parallel(options: Options, topo) -> None:
     """What data parallelism does not run with yet (a ConfigError before any work)."""
     from .errors import ConfigError
+    if topo.nodes > 1:
+        raise ConfigError(f"{topo.world} ranks on {topo.nodes} nodes: data parallelism runs within one node so far "
+                          "(the replicas on other nodes are not reduced yet). Run one node's ranks.")
     if not options.host_arena:
         raise ConfigError("option host_arena=False with data parallelism: each rank's part of a layer is a slice of "
                           "its arena row. Leave host_arena on.")

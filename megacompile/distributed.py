@@ -58,6 +58,7 @@ class Topology:
     node_group: object = None    # the ranks of this node (the state's owners), the default backend: device collectives
     node_host_group: object = None   # the same ranks over gloo: host-side barriers and objects
     host_group: object = None    # a gloo group over the world: agreement, objects, barriers on the host
+    mesh: object = None          # DeviceMesh of this node's ranks, dimension "shard" (for DTensor users)
     # what the processes of this job share per topology (the node heap: runtime/node_heap.py), made
     # at first use by whoever needs it
     shared: dict = field(default_factory=dict, compare=False, repr=False)
@@ -144,17 +145,23 @@ def setup(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Topolog
                "nodes": world // local, "run_id": ""}
     host_group = dist.new_group(backend="gloo", timeout=timeout)
     _check_nodes(env, host_group)
+    # shard within a node (its ranks share the state), replicate across nodes: torchrun numbers
+    # ranks node by node, so a node's ranks are consecutive. (Groups made here, not by
+    # init_device_mesh, whose subgroups would take torch's default timeout, not ddp_timeout.)
     spans = [list(range(n * env["local"], (n + 1) * env["local"])) for n in range(env["nodes"])]
     # (new_group is collective: every rank makes every node's groups, in the same order)
     node_groups = [dist.new_group(ranks, timeout=timeout) for ranks in spans]
     node_host_groups = [dist.new_group(ranks, backend="gloo", timeout=timeout) for ranks in spans]
+    from torch.distributed.device_mesh import DeviceMesh
+    mesh = DeviceMesh.from_group(node_groups[env["node"]], device.type, mesh=spans[env["node"]],
+                                 mesh_dim_names=("shard",))
     run_id = env["run_id"] or ""
     ids = [run_id or uuid.uuid4().hex]
     dist.broadcast_object_list(ids, src=0, group=host_group)   # one name for the node heap's files
     threads = max(1, len(os.sched_getaffinity(0)) // env["local"]) if hasattr(os, "sched_getaffinity") else 1
     torch.set_num_threads(threads)
     topo = Topology(env["world"], env["rank"], env["local"], env["local_rank"], env["node"], env["nodes"],
-                    ids[0], timeout_s, node_groups[env["node"]], node_host_groups[env["node"]], host_group)
+                    ids[0], timeout_s, node_groups[env["node"]], node_host_groups[env["node"]], host_group, mesh)
     log.info("data parallel: %s, %d host threads", topo.describe(), threads)
     _CURRENT[dist.distributed_c10d._get_default_group()] = topo
     return topo
