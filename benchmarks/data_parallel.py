@@ -7,15 +7,13 @@ planned for 1/2/4/8 H100s and H200s at equal per-device batch.
    tokens/s of the job and the scaling (tokens/s of 2 ranks over 1). On a machine with fewer
    cores than ranks x threads the ranks share the cores, so the "scaling" is below 1 there and
    says only what the collectives and the shared state cost.
-2. Planned: `megatrain plan`'s one-GPU step (compute, H2D, the host optimizer overlapped with the
-   backward) at a per-device batch, then for N GPUs of one node: the same compute per GPU, each
-   GPU fetching 1/N of every layer over PCIe and all-gathering the rest over NVLink, the gradients
-   reduce-scattered in fp32 over NVLink, and the node's host optimizer doing the one-GPU work
-   (each rank updates 1/N of the state; the host's memory bandwidth is shared). Two columns:
-   "as built" (this version runs the collectives on the compute stream: all exposed) and
-   "overlapped" (collectives on their own stream, hidden under the layer's compute when shorter,
-   as FSDP2 does: the next slice). The peer bandwidth (NCCL bus bandwidth of an NVLink-4 node,
-   ~360 GB/s) is an assumption, not a measurement.
+2. Planned: `megatrain plan --gpus N` (plan_model(gpus=N)) for 1/2/4/8 H100s and H200s of one
+   node at the same per-device batch: each GPU's step simulated with its part of every fetch over
+   PCIe, the all-gathers and fp32 reduce-scatters on the compute stream (as this version runs
+   them) at the profile's `peer_gbps` (NVLink 4: 360 GB/s assumed, NCCL's bus bandwidth, not
+   measured), and the node's host optimizer doing the one-GPU work during the backward (each rank
+   updates 1/N; they share the host's memory bandwidth). Scaling = the node's tokens/s over one
+   GPU's.
 
     python benchmarks/data_parallel.py [--hidden 512 --layers 4 --steps 6] [--model qwen2.5-7b --seq 4096]
 """
@@ -34,8 +32,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER_GBPS = 360.0      # NVLink 4 all-gather / reduce-scatter bus bandwidth (assumed)
-PEER_LATENCY_S = 15e-6
 
 
 def worker(out: str, hidden: int, layers: int, steps: int, batch: int, seq: int) -> None:
@@ -86,26 +82,29 @@ def measure(args, nproc: int) -> dict:
 def planned(model: str, seq: int, batch: int, gpus=(1, 2, 4, 8)) -> None:
     from megacompile.hardware import BUILTIN
     from megacompile.plan import plan_model
-    print(f"\nplanned: {model}, {batch} x {seq} tokens per GPU, one node, peer links {PEER_GBPS:.0f} GB/s (assumed)")
-    print(f"{'gpu':>5} {'N':>2} {'step s':>8} {'as built s':>11} {'scaling':>8} {'overlapped s':>13} {'scaling':>8} "
-          f"{'comm s':>7} {'opt s':>6}")
+    print(f"\nplanned (megatrain plan --gpus N): {model}, {batch} x {seq} tokens per GPU per step, one node, "
+          "the optimizer during the backward")
+    print(f"{'gpu':>5} {'N':>2} {'step s':>8} {'collectives s':>14} {'tokens/s':>10} {'scaling':>8}")
     for name in ("h100", "h200"):
         hw = BUILTIN[name]
-        plan = plan_model(model, hardware=hw, seq=seq, batch=batch)
-        est = next(b for b in plan.batches if b.batch == batch)
-        one = est.step_seconds
-        weights = plan.model.get("parameters", 0)
-        compute = est.forward_seconds + est.backward_seconds
+        base = None
         for n in gpus:
-            frac = (n - 1) / n
-            # bf16 weights gathered in the forward and again in the backward (recompute), fp32 gradients
-            comm = frac * (2 * 2 * weights + 4 * weights) / (PEER_GBPS * 1e9) + 3 * plan.model.get("layers", 1) * (
-                PEER_LATENCY_S if n > 1 else 0)
-            built = one + comm
-            overlapped = one + max(0.0, comm - compute)
-            print(f"{name:>5} {n:>2} {one:>8.3f} {built:>11.3f} {n * one / built:>7.2f}x {overlapped:>13.3f} "
-                  f"{n * one / overlapped:>7.2f}x {comm:>7.3f} {est.optimizer_seconds:>6.3f}")
+            plan = plan_model(model, hardware=hw, seq=seq, batch=batch, gpus=n, host_ram=4 * 2**40)
+            est = next(b for b in plan.batches if b.batch == batch)
+            step = est.overlap_backward_seconds or est.step_seconds
+            tokens = n * batch * seq / step
+            base = base or tokens
+            comm = n * 0 if n == 1 else _collective_seconds(plan, est, n)
+            print(f"{name:>5} {n:>2} {step:>8.3f} {comm:>14.3f} {tokens:>10,.0f} {tokens / base:>7.2f}x")
     print("goal: >= 3.8x at 4 GPUs (equal per-device batch, optimizer counted)")
+
+
+def _collective_seconds(plan, est, n: int) -> float:
+    """The all-gathers' and reduce-scatters' time of one GPU's step (closed form, for the table)."""
+    hw = plan.hardware
+    weights = plan.model["parameters"] * 2          # bf16
+    moved = (n - 1) / n * (2 * weights + 2 * weights)   # gathered in the forward and the backward, fp32 grads
+    return moved / (hw["peer_gbps"] * 1e9)
 
 
 def main() -> None:
@@ -134,7 +133,8 @@ def main() -> None:
         t = statistics.median(r["times"][args.warmup:])
         rows[n] = (t, n * r["tokens_per_rank"] / t)
         print(f"  {n} rank(s): {r['params'] / 1e6:.1f}M parameters, {t:.3f} s/step, {rows[n][1]:.0f} tokens/s")
-    print(f"  scaling 2 ranks / 1: {rows[2][1] / rows[1][1]:.2f}x tokens/s ({os.cpu_count()} cores shared by the ranks)")
+    print(f"  scaling 2 ranks / 1: {rows[2][1] / rows[1][1]:.2f}x tokens/s ({os.cpu_count()} cores shared by the "
+          "ranks)")
     if not args.no_plan:
         planned(args.model, args.seq, args.gpu_batch)
 

@@ -93,6 +93,10 @@ class Program:
         # data parallelism: the node's ranks share one host copy of the state (megacompile/distributed.py)
         self.topo = distributed.current(device) if runtime and options.data_parallel == "auto" else distributed.SINGLE
         self.heap = None
+        if runtime and options.plan_ranks > 1:
+            from .errors import ConfigError
+            raise ConfigError(f"option plan_ranks={options.plan_ranks} is for planning and inspection (megatrain plan / "
+                              "inspect --gpus); a run takes its ranks from torchrun. Leave it out.")
         if self.topo.enabled:
             _check_data_parallel(options, self.topo)
             from .runtime.node_heap import NodeHeap
@@ -162,7 +166,7 @@ class Program:
             kernels=self.options.kernel_backend,
             logits=self.options.logits,
             mlp_tiles=self.options.mlp_tiles,
-            data_parallel=self.topo.local if self.topo.enabled else 1,
+            data_parallel=self.topo.local if self.topo.enabled else self.options.plan_ranks,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,

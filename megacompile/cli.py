@@ -116,7 +116,8 @@ def _inspect(args) -> int:
     report = inspect_model(args.model, layers=args.layers, batch=args.batch, seq=args.seq, slots=args.slots,
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
                            options={"recompute": args.recompute, "logits": args.logits,
-                                    "offload_checkpoints": args.offload_checkpoints, "mlp_tiles": args.mlp_tiles},
+                                    "offload_checkpoints": args.offload_checkpoints, "mlp_tiles": args.mlp_tiles,
+                                    "plan_ranks": args.gpus},
                            overlap_optimizer=None if args.overlap_optimizer == "false" else args.overlap_optimizer,
                            ssd=load_ssd(args.nvme) if args.nvme else None, placement=args.nvme_placement)
     if args.format == "json":
@@ -175,7 +176,7 @@ def _plan(args) -> int:
         ssd = dataclasses.replace(ssd, paths=tuple(nvme_paths))
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
                       slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision,
-                      prepare=prepare, ssd=ssd, placement=placement, accum=accum or 1)
+                      prepare=prepare, ssd=ssd, placement=placement, accum=accum or 1, gpus=args.gpus)
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -235,6 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "each update's reads and writes of masters/moments on an `ssd` stream")
     i.add_argument("--nvme-placement", default="all", choices=["moments", "all"],
                    help="what the tier holds: AdamW's moments, or the fp32 masters too (default)")
+    i.add_argument("--gpus", type=positive_int, default=1,
+                   help="GPUs of one node training data parallel: the schedule with each GPU's sharded fetches, "
+                        "all-gathers and reduce-scatters")
     i.add_argument("--show", default="schedule", choices=["graphs", "passes", "schedule", "memory"])
     i.add_argument("--format", default="text", choices=["text", "json", "chrome-trace", "svg"])
     i.add_argument("-o", "--output", help="write to this file instead of standard output")
@@ -276,6 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gradient accumulation steps: micro-batches per optimizer step (the tier reads and "
                          "writes once per step, so more hides more of its I/O; default 1, or a train config's "
                          "gradient_accumulation_steps)")
+    pl.add_argument("--gpus", type=positive_int, default=1,
+                    help="GPUs of one node training data parallel (torchrun --nproc-per-node): the host holds one "
+                         "copy of the state, each GPU's step adds its collectives")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
     # "--host-ram -5G" is a (bad) value, not an option: byte_size then says what is wrong with it

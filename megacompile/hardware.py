@@ -59,6 +59,10 @@ class Hardware:
     optimizer_gbps: float = 0.0          # 0: half of host_memory_gbps
     overlap: bool = True
     measure_ops: bool = False            # time ops on this machine instead of rooflines (cost_model.py)
+    # data parallelism (plan --gpus): the all-gather / reduce-scatter bus bandwidth between the
+    # GPUs of a node (NCCL's "busbw"; NVLink 4 about 360 GB/s, PCIe-only boxes tens), per collective latency
+    peer_gbps: float = 360.0
+    peer_latency_us: float = 15.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -73,15 +77,17 @@ BUILTIN = {
     "h100": Hardware("h100", 600.0, 50.0, 50.0, 80.0, 200.0, device_memory_gbps=2700.0, op_overhead_us=4.0),
     # NVLink-C2C host link; Grace LPDDR5X
     "gh200": Hardware("gh200", 700.0, 400.0, 400.0, 96.0, 400.0, device_memory_gbps=3400.0, op_overhead_us=4.0),
-    "a100": Hardware("a100", 250.0, 24.0, 24.0, 80.0, 150.0, device_memory_gbps=1600.0, op_overhead_us=5.0),  # PCIe 4
+    "a100": Hardware("a100", 250.0, 24.0, 24.0, 80.0, 150.0, device_memory_gbps=1600.0, op_overhead_us=5.0,
+                     peer_gbps=230.0),  # PCIe 4 host link, NVLink 3 peers
 }
 NAMES = (*BUILTIN, "cpu")
 
 # -- profiles from JSON files -------------------------------------------------------------------
 
 _REQUIRED = ("name", "compute_tflops", "h2d_gbps", "d2h_gbps", "device_memory_gib", "host_memory_gbps")
-_POSITIVE = ("compute_tflops", "h2d_gbps", "d2h_gbps", "device_memory_gib", "host_memory_gbps", "device_memory_gbps")
-_NON_NEGATIVE = ("op_overhead_us", "optimizer_gbps")   # optimizer_gbps 0: half of host_memory_gbps
+_POSITIVE = ("compute_tflops", "h2d_gbps", "d2h_gbps", "device_memory_gib", "host_memory_gbps", "device_memory_gbps",
+             "peer_gbps")
+_NON_NEGATIVE = ("op_overhead_us", "optimizer_gbps", "peer_latency_us")   # optimizer_gbps 0: half of host_memory_gbps
 _BOOLS = ("overlap", "measure_ops")
 
 

@@ -82,6 +82,7 @@ class Step:
     stream: str      # "h2d" | "compute" | "d2h" | "comm"
     segment: int     # index into Schedule.segments
     nbytes: int = 0
+    moved: int | None = None   # bytes over its link when not nbytes (prefetch_shard: this rank's part)
 
 
 @dataclass

@@ -101,6 +101,10 @@ def _checked(name: str, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise _bad(name, value, "an integer >= 1 (2 overlaps one transfer with compute)")
         return value
+    if name == "plan_ranks":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise _bad(name, value, "an integer >= 1 (ranks per node to plan for)")
+        return value
     if name == "device":
         expected = "'cuda', 'cuda:N' or 'cpu' (a string or a torch.device)"
         if isinstance(value, torch.device):
@@ -247,6 +251,10 @@ class Options:
     #: its own batch) or "sum" (the loss is already divided by the global token count: megatrain
     #: train).
     grad_reduce: str = "mean"
+    #: Compile as for this many data-parallel ranks per node without running (megatrain plan and
+    #: inspect --gpus: the schedule shows the sharded fetches and the collectives). A run takes
+    #: its ranks from the process group; setting this for a run is refused.
+    plan_ranks: int = 1
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

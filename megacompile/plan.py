@@ -30,6 +30,7 @@ NVMe state tier; tier_plan.py has the placement classes and the exposed SSD time
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -41,6 +42,7 @@ from .errors import CannotFitError
 from .hardware import Hardware
 from .ssd import SSD
 from .ir import Step, segment_calls
+from .passes.data_parallel import sharded
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
 from .simulate import SegmentCost, makespan, optimizer_bytes, simulate
@@ -267,13 +269,21 @@ class Plan:
     ssd_capacity: int = 0              # bytes the tier may use on it (0: not known, not checked)
     ssd_capacity_source: str = ""
     accum: int = 1                     # micro-batches per optimizer step
+    gpus: int = 1                      # data parallel ranks on the node (the estimates are one GPU's)
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
+    @property
+    def shm_bytes(self) -> int:
+        """/dev/shm the node's shared state needs with more than one GPU (0 with one)."""
+        h = self.host
+        return h.masters + h.optimizer_state + h.transfer_copy + h.grads if self.gpus > 1 else 0
+
     def tokens_per_s(self, b: BatchEstimate) -> float:
-        return b.batch * b.accum * self.seq / b.step_seconds
+        """Tokens per second of the node (all its GPUs)."""
+        return self.gpus * b.batch * b.accum * self.seq / b.step_seconds
 
     def to_dict(self) -> dict:
         d = {"version": 1, "model": self.model, "hardware": self.hardware, "seq": self.seq, "slots": self.slots,
@@ -283,7 +293,8 @@ class Plan:
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "checkpoints_on_host": self.checkpoints_on_host, "mlp_tiles": self.mlp_tiles,
-             "accum": self.accum, "nvme": nvme_summary(self), "fits": self.fits, "problems": self.problems,
+             "accum": self.accum, "gpus": self.gpus, "shm_bytes": self.shm_bytes, "nvme": nvme_summary(self),
+             "fits": self.fits, "problems": self.problems,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
         d["best_batch"] = self.best.batch if self.best else None
@@ -372,7 +383,8 @@ class _Model:
 def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: int = 4096,
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
                max_batch: int = 4096, options: dict | None = None, vision: str = "frozen",
-               prepare=None, ssd: SSD | None = None, placement: str = "auto", accum: int = 1) -> Plan:
+               prepare=None, ssd: SSD | None = None, placement: str = "auto", accum: int = 1,
+               gpus: int = 1) -> Plan:
     """Plan training `source` (preset, config.json, model directory or a transformers config) on
     `hardware`, with megatrain compile `options` (default as `megatrain train` compiles: the
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
@@ -380,14 +392,18 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     anything is counted: a train config's finetuning_type freezing weights (train/finetuning.py).
     `ssd` (ssd.load_ssd) plans the NVMe state tier: `placement` auto picks the first of
     none / moments / all that fits the host RAM (tier_placement); every batch then carries the
-    SSD seconds of an optimizer step of `accum` micro-batches and the part of them exposed."""
+    SSD seconds of an optimizer step of `accum` micro-batches and the part of them exposed.
+    `gpus` > 1 plans data parallelism on one node (passes/data_parallel.py): every estimate is
+    one GPU's step at its per-device batch, with its part of each fetch over PCIe, the
+    all-gathers and fp32 reduce-scatters over the peer links (`peer_gbps`), the node's host
+    optimizer doing the one-GPU work; the host holds one copy of the state and a process per GPU."""
     options = {"logits": "drop", **(options or {})}
     from .errors import ConfigError
     from .inspect import build_meta_model, check_positive
     from .vlm import VISION_MODES, is_vlm
     if vision not in VISION_MODES:
         raise ConfigError(f"vision={vision!r}: use one of {', '.join(VISION_MODES)}.")
-    check_positive(seq=seq, batch=batch, slots=slots, max_batch=max_batch, accum=accum)
+    check_positive(seq=seq, batch=batch, slots=slots, max_batch=max_batch, accum=accum, gpus=gpus)
     if host_ram is not None and (not isinstance(host_ram, int) or host_ram < 1):
         raise ConfigError(f"host_ram={host_ram!r}: give the host RAM in bytes (a positive integer).")
     if placement != "auto" and placement not in PLACEMENTS:
@@ -405,6 +421,11 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         from .hardware import host_memory_bytes
         host_ram = host_memory_bytes()
     host = host_bytes(model, device_type, tier_placement(model, device_type, host_ram, ssd, placement))
+    if gpus > 1:
+        if ssd is not None:
+            raise ConfigError("--gpus with --nvme: the state tier does not run with more than one GPU yet.")
+        # one copy of the state per node (in shared memory), one process per GPU
+        host = dataclasses.replace(host, process_overhead=gpus * host.process_overhead)
     capacity_ssd, capacity_source = ssd_capacity(ssd) if ssd is not None else (0, "")
     vlm = is_vlm(model)
     if vision == "train" and not vlm:
@@ -456,6 +477,9 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         for direction in ("forward", "backward"):
             infos, costs = m.expand(direction, b)
             steps = m.with_checkpoints(direction, build_steps(infos, lookahead[direction]), infos, b)
+            if gpus > 1:   # (the data_parallel pass's rewrite; gradients reduced in fp32)
+                widen = 4 // dtype.itemsize
+                steps = [t for s in steps for t in sharded(s, gpus, widen * sum(infos[s.segment].grad_nbytes.values()))]
             sims[direction] = steps, costs
             times[direction] = makespan(simulate(steps, costs, hardware))
         opt, after = optimizer_seconds(trainable, hardware), optimizer_seconds(trainable - in_store, hardware)
@@ -513,7 +537,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
                 vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host,
                 mlp_tiles=_mlp_tiles(config, options, seq), ssd=ssd.to_dict() if ssd is not None else None,
-                ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum)
+                ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum, gpus=gpus)
     _check(plan, m, p1, slope)
     return plan
 
@@ -633,13 +657,18 @@ def to_text(plan: Plan) -> str:
                      "after the backward"
                      + (f"; SSD exposed {b.ssd_exposed_seconds:.3f} s ({b.ssd_exposed_seconds / b.step_seconds:.1%} "
                         f"of the step) of {b.ssd_seconds:.1f} s of I/O" if tier else ""))
-        tokens = b.batch * b.accum * plan.seq
+        tokens = plan.gpus * b.batch * b.accum * plan.seq
         for seconds, how in ((b.overlap_backward_seconds, "during the backward (overlap_optimizer=backward, "
                                                           "norm not clipped)"),
                              (b.overlap_forward_seconds, "under the next forward (overlap_optimizer=forward, or "
                                                          "backward with a clipped norm)")):
             if seconds is not None:
                 lines.append(f"      {seconds:.3f} s/step, {tokens / seconds:,.0f} tokens/s with it {how}")
+    if plan.gpus > 1:
+        lines += ["", f"data parallel: {plan.gpus} GPUs on one node, each at the batch above (tokens/s are the "
+                      f"node's); /dev/shm holds the state once: {_fmt(plan.shm_bytes)}; each GPU fetches 1/{plan.gpus} "
+                      f"of every layer over PCIe and all-gathers the rest, reduce-scatters the gradients in fp32 over "
+                      f"the peer links ({hw.get('peer_gbps', 0):.0f} GB/s), the collectives on the compute stream"]
     for p in plan.problems:
         lines.append(f"CANNOT FIT: {p}")
     return "\n".join(lines)

@@ -66,7 +66,8 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
     arrived: dict[int, float] = {}
     # the updates in the order they run (with ssd: read one ahead of the one running)
     updates = [(s.segment, s.nbytes or (costs[s.segment].grad_bytes if s.op == "grad_offload" else 0))
-               for s in steps if (after_offload and s.op == "grad_offload") or (before_prefetch and s.op == "prefetch")]
+               for s in steps if (after_offload and s.op == "grad_offload")
+               or (before_prefetch and s.op in ("prefetch", "prefetch_shard"))]
     read: list[float] = []   # when update i's state has arrived
 
     def tier_read(i: int) -> None:
@@ -137,15 +138,30 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
             clock["compute"] = end
         return start, end
 
+    # data parallelism, as the runtime runs the collectives now: on the compute stream (an
+    # all-gather once its part arrived, a reduce-scatter after its run; the next reader waits)
+    def collective(after: float, nbytes: int) -> tuple[float, float]:
+        start = max(clock["compute"], after)
+        end = clock["compute"] = start + nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
+        return start, end
+
+    def gather(k: int, nbytes: int) -> tuple[float, float]:
+        start, arrived[k] = collective(arrived[k], nbytes)
+        return start, arrived[k]
+
+    def reduce(k: int, nbytes: int) -> tuple[float, float]:
+        start, ran[k] = collective(ran[k], nbytes)
+        return start, ran[k]
+
     # one handler per schedule op (the executor and the memory plan have theirs)
-    # (data parallelism, first version: a sharded fetch timed as a whole one, the collectives
-    # as free)
     handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": copy_out, "evict": evict,
-                "offload": copy_out, "reload": reload, "prefetch_shard": prefetch, "all_gather": evict,
-                "reduce_scatter": evict}
+                "offload": copy_out, "reload": reload, "prefetch_shard": prefetch, "all_gather": gather,
+                "reduce_scatter": reduce}
     for step in steps:
         k, cost = step.segment, costs[step.segment]
         nbytes = step.nbytes or (cost.grad_bytes if step.op == "grad_offload" else 0)
+        if step.moved is not None:   # (a sharded fetch: its slot is whole, its copy a part)
+            nbytes = step.moved
         start, end = handlers[step.op](k, nbytes)
         out.append(TimedStep(step.op, step.stream, k, cost.name, nbytes, start, end))
         if step.op == "grad_offload" and after_offload:   # (the update after its gradients left)
@@ -160,7 +176,7 @@ def grad_bytes(steps, costs: list[SegmentCost]) -> int:
 
 def fetched_bytes(steps) -> int:
     """Weight bytes the prefetch steps of `steps` move (the optimizer's share of each)."""
-    return sum(s.nbytes for s in steps if s.op == "prefetch")
+    return sum(s.nbytes for s in steps if s.op in ("prefetch", "prefetch_shard"))
 
 
 def optimizer_bytes(steps, costs: list[SegmentCost], optimizer: str) -> int:

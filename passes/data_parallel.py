@@ -25,30 +25,53 @@ from ..ir import SCHEDULE, SCHEDULE_OPS, SEGMENT, STEP, Step, op_of
 from . import PassContext, graph_pass
 
 
+def sharded(step: Step, ranks: int, fp32_grad_bytes: int = 0) -> list[Step]:
+    """The steps that replace one schedule step with `ranks` ranks (the pass's rewrite, as data:
+    `megatrain plan --gpus` simulates these). A fetch keeps the whole slot (`nbytes`, what the
+    memory plan counts) but moves 1/ranks of it over PCIe and (ranks-1)/ranks over the peer
+    links; a gradient offload becomes an fp32 reduce-scatter ((ranks-1)/ranks of the fp32 bytes
+    over the peer links) and the offload of this rank's fp32 part."""
+    if ranks <= 1:
+        return [step]
+    if step.op == "prefetch":
+        return [Step("prefetch_shard", step.stream, step.segment, step.nbytes, moved=-(-step.nbytes // ranks)),
+                Step("all_gather", "comm", step.segment, step.nbytes * (ranks - 1) // ranks)]
+    if step.op == "grad_offload":
+        return [Step("reduce_scatter", "comm", step.segment, fp32_grad_bytes * (ranks - 1) // ranks),
+                Step("grad_offload", step.stream, step.segment, -(-fp32_grad_bytes // ranks))]
+    return [step]
+
+
+def _fp32_bytes(values) -> int:
+    return sum(4 * v.meta["val"].numel() for v in values if isinstance(v, fx.Node) and "val" in v.meta)
+
+
 @graph_pass("data_parallel", reads=(SEGMENT, SCHEDULE), writes=(SCHEDULE,), uses=("data_parallel",))
 def data_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.data_parallel <= 1:
+    ranks = ctx.data_parallel
+    if ranks <= 1:
         return gm
     schedule = gm.meta[SCHEDULE]
     graph = schedule.program.graph
     fetches = collectives = 0
     for node in list(graph.nodes):
         op = op_of(node)
-        step = node.meta.get(STEP)
+        if op not in ("prefetch", "grad_offload"):
+            continue
+        step = node.meta[STEP]
+        steps = sharded(step, ranks, _fp32_bytes(node.args[1]) if op == "grad_offload" else 0)
         if op == "prefetch":
             node.target = SCHEDULE_OPS["prefetch_shard"]
-            node.meta[STEP] = Step("prefetch_shard", step.stream, step.segment, step.nbytes)
+            node.meta[STEP] = steps[0]
             with graph.inserting_after(node):
                 gather = graph.call_function(SCHEDULE_OPS["all_gather"], (step.segment,))
-            gather.meta[STEP] = Step("all_gather", "comm", step.segment, step.nbytes)
+            gather.meta[STEP] = steps[1]
             fetches += 1
-        elif op == "grad_offload":
-            seg = schedule.segments[step.segment]
+        else:
             with graph.inserting_before(node):
                 rs = graph.call_function(SCHEDULE_OPS["reduce_scatter"], (step.segment, list(node.args[1])))
-            rs.meta[STEP] = Step("reduce_scatter", "comm", step.segment, sum(seg.grad_nbytes.values()))
+            rs.meta[STEP], node.meta[STEP] = steps
             collectives += 1
     schedule.program.recompile()
-    ctx.records.append(f"data parallel over {ctx.data_parallel} ranks: {fetches} sharded fetches, "
-                       f"{collectives} reduce-scatters")
+    ctx.records.append(f"data parallel over {ranks} ranks: {fetches} sharded fetches, {collectives} reduce-scatters")
     return gm

@@ -262,7 +262,8 @@ def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool, 
     order: the same offsets on every rank)."""
     entries = {index: _entry_for(p, names[index], pin) for index, p in params.items()}
     if heap is not None:
-        moving = [entries[i] for i in sorted(entries) if entries[i].grad_home is None and entries[i].param.requires_grad]
+        moving = [entries[i] for i in sorted(entries)
+                  if entries[i].grad_home is None and entries[i].param.requires_grad]
         heap.reserve(sum(heap.span(e.param.shape, torch.float32) * (4 if e.master is not None else 3) for e in moving))
         for entry in moving:
             _to_heap(entry, heap)
