@@ -73,5 +73,6 @@ def data_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             rs.meta[STEP], node.meta[STEP] = steps
             collectives += 1
     schedule.program.recompile()
-    ctx.records.append(f"data parallel over {ranks} ranks: {fetches} sharded fetches, {collectives} reduce-scatters")
+    ctx.records.append(("data_parallel", "sharded", {"ranks": ranks, "fetches": fetches,
+                                                      "reduce_scatters": collectives}))
     return gm
