@@ -95,8 +95,8 @@ class Program:
         self.heap = None
         if runtime and options.plan_ranks > 1:
             from .errors import ConfigError
-            raise ConfigError(f"option plan_ranks={options.plan_ranks} is for planning and inspection (megatrain plan / "
-                              "inspect --gpus); a run takes its ranks from torchrun. Leave it out.")
+            raise ConfigError(f"option plan_ranks={options.plan_ranks} is for planning and inspection (megatrain "
+                              "plan / inspect --gpus); a run takes its ranks from torchrun. Leave it out.")
         if self.topo.enabled:
             _check_data_parallel(options, self.topo)
             from .runtime.node_heap import NodeHeap

@@ -112,7 +112,8 @@ class DeviceWeightPool:
                 copies, moved = copies + 1, moved + size
             elif row is not None:
                 buffer[:head].copy_(row.buffer, non_blocking=stream is not None)
-                copies, moved = copies + 1, moved + head
+                copies, moved = copies + 1, moved + sum(sources[i].numel() * sources[i].element_size()
+                                                        for i in row.offsets if i in sources)
             if shard is not None and rest_bytes:
                 buffer[head:].zero_()   # (summed over the ranks: each adds the elements it owns)
             for i, src in sources.items():

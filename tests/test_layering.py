@@ -1,6 +1,7 @@
 """The compiler/runtime boundary (the IR layer: megacompile/ir.py, the compile artifacts and the
 schedule ops, and megacompile/ir_ops.py, the custom ops passes insert): runtime/ imports only
-the IR layer, the errors and itself; the compiler side (passes/, cost_model, simulate) never
+the IR layer, the errors, the process topology (megacompile/distributed.py, which imports only
+the errors) and itself; the compiler side (passes/, cost_model, simulate) never
 imports the runtime; the IR layer imports neither side. Checked on the source (every import
 statement, also inside functions)."""
 from __future__ import annotations
@@ -50,8 +51,11 @@ def _is(name: str, prefix: str) -> bool:
 
 def test_the_runtime_imports_only_the_ir_layer_and_itself():
     bad = {f"{p.relative_to(ROOT)}: {m}" for p in _files("runtime") for m in imports(p)
-           if not any(_is(m, ok) for ok in ("megacompile.runtime", *IR_LAYER, "megacompile.errors"))}
+           if not any(_is(m, ok) for ok in ("megacompile.runtime", *IR_LAYER, "megacompile.errors",
+                                            "megacompile.distributed"))}
     assert not bad, sorted(bad)
+    assert imports(ROOT / "megacompile" / "distributed.py") <= {"megacompile.errors.ConfigError",
+                                                                 "megacompile.errors.MegatrainError"}
 
 
 def test_the_compiler_never_imports_the_runtime():

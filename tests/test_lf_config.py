@@ -89,11 +89,12 @@ def test_llamafactory_qwen3_full_sft_example_loads_with_notes_and_mapped_values(
     assert (c.learning_rate, c.num_train_epochs, c.lr_scheduler_type, c.warmup_ratio) == (1e-5, 3.0, "cosine", 0.1)
     assert (c.per_device_train_batch_size, c.gradient_accumulation_steps, c.resume_from_checkpoint) == (1, 2, None)
     # one line per "what megatrain does instead"; every ignored key is named exactly once
-    noted = {"deepspeed", "ddp_timeout", "do_train", "dataloader_num_workers", "plot_loss", "save_only_model"}
+    noted = {"deepspeed", "do_train", "dataloader_num_workers", "plot_loss", "save_only_model"}   # (ddp_timeout: used)
     named = [k for line in c.notes for k in re.match(r"LLaMA-Factory keys? (.+?): ignored; ", line)[1].split(", ")]
     assert sorted(named) == sorted(noted)
-    assert any(line.startswith("LLaMA-Factory keys deepspeed, ddp_timeout: ignored; megatrain trains on one")
-               for line in c.notes)
+    assert any(line.startswith("LLaMA-Factory key deepspeed: ignored; megatrain streams the weights from host RAM "
+                               "and runs its own data parallelism") for line in c.notes)
+    assert c.ddp_timeout == 180000000   # (LLaMA-Factory's example: the timeout of a collective under torchrun)
     assert len(c.notes) == 5
     assert "notes" not in c.to_dict()   # (not a setting: a resumed run does not compare it)
 
@@ -277,8 +278,8 @@ def test_trainer_logs_hugging_faces_schedule(tiny_dir, tmp_path, capsys):  # noq
     train_run(config(tiny_dir, tmp_path, lr_scheduler_type="cosine", warmup_steps=0.5, max_steps=4, save_steps=4,
                      learning_rate=1e-3, deepspeed="ds_z3_config.json", ddp_timeout=180000000, bf16=False))
     printed = capsys.readouterr().out
-    assert printed.startswith("[megatrain] LLaMA-Factory keys deepspeed, ddp_timeout: ignored; megatrain trains on one "
-                              "accelerator")
+    assert printed.startswith("[megatrain] LLaMA-Factory key deepspeed: ignored; megatrain streams the weights from "
+                              "host RAM")
     assert printed.count("deepspeed") == 1
     hf = _lrs(get_scheduler("cosine", _sgd(1e-3), num_warmup_steps=2, num_training_steps=4), 4)
     assert [r["lr"] for r in log_rows(tmp_path / "out")] == pytest.approx(hf, rel=1e-12)   # each step's own lr
