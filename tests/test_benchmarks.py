@@ -65,3 +65,9 @@ def test_nvme_tier_benchmark_smoke_run():
     out = run("nvme_tier.py", "--hidden", "64", "--layers", "1", "--vocab", "512", "--seq", "16", "--steps", "1",
               "--warmup", "1", "--probe-mib", "4", "--min-numel", "1024", "--plan-models")
     assert "bit-identical masters and moments: True" in out and "| tier (all: masters + moments) |" in out
+
+
+def test_data_parallel_benchmark_smoke_run():
+    out = run("data_parallel.py", "--hidden", "64", "--layers", "1", "--steps", "1", "--warmup", "1", "--cpu-seq", "16",
+              "--model", "smollm2-135m", "--seq", "256", "--gpu-batch", "1", "--plan-gpus", "1,2")
+    assert "2 rank(s):" in out and "scaling 2 ranks / 1:" in out and " h200  2 " in out, out
