@@ -54,9 +54,9 @@ def _rows(out: Path) -> list[dict]:
 
 def _same_run(ref: Path, dp: Path, steps: list[int]) -> None:
     """Losses and norms of `steps` and the masters of the last one's checkpoint agree."""
-    ours = {r["step"]: r for r in _rows(dp)}
+    ours = {r["step"]: r for r in _rows(dp) if "loss" in r}
     for r in _rows(ref):
-        if r["step"] in steps:
+        if r["step"] in steps and "loss" in r:
             s = ours[r["step"]]
             assert s["loss"] == pytest.approx(r["loss"], rel=1e-5), (r, s)
             assert s["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5), (r, s)
@@ -76,21 +76,28 @@ CASES = [("llama", "false"), ("qwen3_moe", "backward"),
 @pytest.mark.parametrize("family,overlap", CASES)
 def test_two_ranks_train_like_one_process_at_twice_the_batch(models, tmp_path, family, overlap):
     """2 ranks x batch 2 (to step 2) == 1 process x batch 4; then the 2-rank checkpoint resumes in
-    1 process at batch 4 and continues like the uninterrupted run (steps 3-4)."""
+    1 process at batch 4 and continues like the uninterrupted run (steps 3-4). Llama also
+    evaluates every 2 steps (the ranks split the held-out batches: the same eval loss)."""
     overlap = {"false": False}.get(overlap, overlap)
+    evals = dict(val_size=5, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2) \
+        if family == "llama" else {}
     ref = tmp_path / "one"
-    train(from_mapping(_config(models[family], ref, 4, overlap)), progress=False)
+    train(from_mapping(_config(models[family], ref, 4, overlap, **evals)), progress=False)
     dp = tmp_path / "two"
-    done = _torchrun_train(_config(models[family], dp, 2, overlap, max_steps=2), tmp_path / "two.yaml")
+    done = _torchrun_train(_config(models[family], dp, 2, overlap, max_steps=2, **evals), tmp_path / "two.yaml")
     assert "data parallel: 2 ranks" in done.stdout
     _same_run(ref, dp, [1, 2])
     saved = json.loads((dp / "checkpoint-2" / "trainer.json").read_text())
     assert saved["world"] == {"size": 2, "local": 2, "nodes": 1, "global_micro_batch": 4}
     if family == "llama":   # the same run continued by one process
-        state = train(from_mapping(_config(models[family], dp, 4, overlap, resume_from_checkpoint=True)),
+        state = train(from_mapping(_config(models[family], dp, 4, overlap, resume_from_checkpoint=True, **evals)),
                       progress=False)
         assert state["step"] == 4
         _same_run(ref, dp, [3, 4])
+        ours = {r["step"]: r["eval_loss"] for r in _rows(dp) if "eval_loss" in r}
+        theirs = {r["step"]: r["eval_loss"] for r in _rows(ref) if "eval_loss" in r}
+        assert ours.keys() == theirs.keys() == {2, 4}
+        assert ours == pytest.approx(theirs, rel=1e-5)
 
 
 def test_library_ranks_equal_one_process_with_tied_weights(tmp_path):

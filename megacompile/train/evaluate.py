@@ -165,7 +165,7 @@ def trained_tokens(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE).sum())
 
 
-def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: int, images=None) \
+def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: int, images=None, topo=None) \
         -> tuple[float, int, float]:
     """(mean loss per trained token, trained tokens, seconds) of `examples` under the current
     weights, through the compiled model with no autograd: no activations are saved for a
@@ -174,29 +174,42 @@ def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: 
     An overlapped optimizer step (overlap_optimizer) may still be writing the weights:
     `synchronize()` first, so every weight read is the updated one (a megatrain fetch would wait
     for each weight anyway; waiting here keeps the eval's timing its own). The model is put in
-    eval mode (dropout off, as HF's evaluate) and back in train mode after."""
+    eval mode (dropout off, as HF's evaluate) and back in train mode after.
+
+    Data parallel (`topo`, megacompile/distributed.py): rank r evaluates batches r, r + ranks, ...
+    and the sums are added over the ranks; every rank runs as many forwards as the busiest (the
+    forwards' collectives pair up), a rank out of batches repeating its last one uncounted."""
+    from ..distributed import SINGLE, all_sum
+    topo = topo or SINGLE
     t0 = time.perf_counter()
     optimizer.synchronize()
     was_training = model.training
     model.eval()
     total, tokens = 0.0, 0
+    starts = list(range(0, len(examples), batch_size))
+    mine = starts[topo.rank::topo.world]
+    rounds = -(-len(starts) // topo.world)
     try:
         with torch.no_grad():
-            for k in range(0, len(examples), batch_size):
+            for j in range(rounds if topo.enabled else len(starts)):
+                k = (mine[min(j, len(mine) - 1)] if mine else 0) if topo.enabled else starts[j]
                 batch = collate(examples[k: k + batch_size], pad_id, images=images)
-                n = trained_tokens(batch)
-                if n == 0:
+                n = trained_tokens(batch) if not topo.enabled or j < len(mine) else 0
+                if n == 0 and not topo.enabled:
                     continue
                 # the loss summed over the batch's tokens / n: times n is the batch's sum
                 try:
-                    out = cmodel(**batch, num_items_in_batch=torch.tensor(n), use_cache=False)
+                    out = cmodel(**batch, num_items_in_batch=torch.tensor(max(n, 1)), use_cache=False)
                 except torch.OutOfMemoryError:   # (the preflight planned the training batch, not this one)
                     rows, length = batch["input_ids"].shape
                     raise CannotFitError(f"evaluation ran out of device memory on a batch of {rows} x {length} "
                                          "tokens: lower per_device_eval_batch_size "
                                          f"(now {batch_size}) and resume from the last checkpoint.") from None
-                total += float(out.loss) * n
-                tokens += n
+                if n:
+                    total += float(out.loss) * n
+                    tokens += n
     finally:
         model.train(was_training)
+    total, tokens = all_sum(topo, [total, tokens], "the all-reduce of the evaluation loss")
+    tokens = int(tokens)
     return (total / tokens if tokens else float("nan")), tokens, time.perf_counter() - t0

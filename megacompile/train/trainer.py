@@ -151,7 +151,6 @@ def check_data_parallel(config: TrainConfig, topo: Topology) -> None:
     off = [(key, why) for key, on, why in (
         ("nvme", config.nvme is not None, "the state tier"),
         ("streaming", config.streaming, "streamed data"),
-        ("val_size / eval_dataset", bool(config.val_size or config.eval_dataset), "evaluation"),
         ("finetuning_type", config.finetuning_type == "lora", "LoRA"),
     ) if on]
     if off:
@@ -482,8 +481,9 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                 state["skipped_steps"] += 1
                 skipped += 1
                 streak += 1
-                bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm});"
-                          " the optimizer step is skipped, the weights are unchanged.")
+                (bar.write if topo.writer else _quiet)(
+                    f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm}); the "
+                    "optimizer step is skipped, the weights are unchanged.")
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]   # the lr this step used: HF logs it (taken before the scheduler moves)
             scheduler.step()
@@ -519,19 +519,22 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                                     f"max_consecutive_skipped_steps; {_last_checkpoint(out)}.")
             if evals is not None and evals[0].due(state["step"]):   # (as HF: evaluate, then save)
                 optimizer.synchronize()
-                _check_weights(optimizer, names, state["step"], out)
+                _check_weights(optimizer, names, state["step"], out, topo)
                 # eval_on_each_dataset: {name: examples}, logged as eval_<name>_loss (HF's names); else one set
                 for name, held in (evals[1] if isinstance(evals[1], dict) else {"": evals[1]}).items():
                     key = f"eval_{name}_" if name else "eval_"
                     eval_loss, eval_tokens, eval_seconds = evaluate(cmodel, model, optimizer, held,
                                                                     config.per_device_eval_batch_size,
-                                                                    tokenizer.pad_token_id, images)
+                                                                    tokenizer.pad_token_id, images, topo)
                     row = {"step": state["step"], "epoch": _epoch(state, steps_per_epoch, order),
                            key + "loss": eval_loss, key + "tokens": eval_tokens, key + "seconds": eval_seconds}
                     log.write(json.dumps(row) + "\n")
                     log.flush()
-                    reporter.log({f"{name}_loss" if name else "loss": eval_loss}, state["step"], prefix="eval")
-                    bar.write(f"[megatrain] step {state['step']}: {key}loss {eval_loss:.4f} over {eval_tokens} tokens")
+                    if reporter is not None:
+                        reporter.log({f"{name}_loss" if name else "loss": eval_loss}, state["step"], prefix="eval")
+                    if topo.writer:
+                        bar.write(f"[megatrain] step {state['step']}: {key}loss {eval_loss:.4f} over {eval_tokens} "
+                                  "tokens")
             if state["step"] % config.save_steps == 0 or state["step"] == total:
                 optimizer.synchronize()
                 _check_weights(optimizer, names, state["step"], out, topo)   # (also: every rank's updates are in)
@@ -546,6 +549,10 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     return ran, skipped
+
+
+def _quiet(text: str) -> None:
+    """(a rank other than 0: rank 0 says it)"""
 
 
 def _refuse(text: str) -> None:
