@@ -115,3 +115,24 @@ def test_inspect_gpus_shows_the_collectives_and_a_run_refuses_plan_ranks(capsys,
         cmodel(input_ids=ids, labels=ids, use_cache=False)
     inner = getattr(e.value, "inner_exception", e.value)
     assert isinstance(inner, ConfigError) and "plan_ranks=2 is for planning" in str(inner)
+
+
+def test_a_shared_memory_too_small_is_refused_with_what_to_change(tmp_path, monkeypatch):
+    from megacompile.runtime import node_heap
+    monkeypatch.setattr(node_heap.os, "statvfs", lambda _: SimpleNamespace(f_bavail=16, f_frsize=4096))
+    why = node_heap._create(str(tmp_path / "heap.bin"), 2**30)
+    assert "1.00 GiB" in why and "--shm-size" in why and not (tmp_path / "heap.bin").exists()
+    monkeypatch.undo()
+    assert node_heap._create(str(tmp_path / "heap.bin"), 8192) is None   # (reserved: the pages exist)
+    assert (tmp_path / "heap.bin").stat().st_blocks * 512 >= 8192
+
+
+def test_resuming_with_another_world_size_keeps_the_global_micro_batch():
+    from megacompile.train.resume import changes
+    saved = {"per_device_train_batch_size": 2, "seed": 0}
+    refused, applied = changes(saved, {"per_device_train_batch_size": 4, "seed": 0}, True, saved_world=2, world=1)
+    assert not refused and applied == ["ranks: 2 -> 1 (global micro-batch 4 kept)"]
+    refused, _ = changes(saved, {"per_device_train_batch_size": 2, "seed": 0}, True, saved_world=2, world=1)
+    assert refused == ["the global micro-batch (per_device_train_batch_size x ranks): 2 x 2 = 4 -> 2 x 1 = 2"]
+    refused, _ = changes(saved, {"per_device_train_batch_size": 4, "seed": 0}, True)   # (one process both times)
+    assert refused == ["per_device_train_batch_size: 2 -> 4"]
