@@ -98,7 +98,7 @@ class Program:
             raise ConfigError(f"option plan_ranks={options.plan_ranks} is for planning and inspection (megatrain "
                               "plan / inspect --gpus); a run takes its ranks from torchrun. Leave it out.")
         if self.topo.enabled:
-            _check_data_parallel(options, self.topo)
+            _check_data_parallel(options)
             from .runtime.node_heap import NodeHeap
             # one heap for every program of the job: a graph Dynamo recompiles (on one rank, for a
             # new shape) reuses what the first one placed there, and maps nothing new
@@ -167,6 +167,7 @@ class Program:
             logits=self.options.logits,
             mlp_tiles=self.options.mlp_tiles,
             data_parallel=self.topo.local if self.topo.enabled else self.options.plan_ranks,
+            data_parallel_nodes=self.topo.nodes,
             device_budget=self.options.device_budget_bytes,
             hardware=self.hardware,
             disabled=self.options.disable_passes,
@@ -278,12 +279,9 @@ class Program:
         }
 
 
-def _check_data_parallel(options: Options, topo) -> None:
+def _check_data_parallel(options: Options) -> None:
     """What data parallelism does not run with yet (a ConfigError before any work)."""
     from .errors import ConfigError
-    if topo.nodes > 1:
-        raise ConfigError(f"{topo.world} ranks on {topo.nodes} nodes: data parallelism runs within one node so far "
-                          "(the replicas on other nodes are not reduced yet). Run one node's ranks.")
     if not options.host_arena:
         raise ConfigError("option host_arena=False with data parallelism: each rank's part of a layer is a slice of "
                           "its arena row. Leave host_arena on.")

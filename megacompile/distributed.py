@@ -59,6 +59,7 @@ class Topology:
     node_host_group: object = None   # the same ranks over gloo: host-side barriers and objects
     host_group: object = None    # a gloo group over the world: agreement, objects, barriers on the host
     mesh: object = None          # DeviceMesh of this node's ranks, dimension "shard" (for DTensor users)
+    replicate_group: object = None   # this local rank on every node (HSDP: all-reduce of its gradient parts)
     # what the processes of this job share per topology (the node heap: runtime/node_heap.py), made
     # at first use by whoever needs it
     shared: dict = field(default_factory=dict, compare=False, repr=False)
@@ -152,6 +153,10 @@ def setup(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Topolog
     # (new_group is collective: every rank makes every node's groups, in the same order)
     node_groups = [dist.new_group(ranks, timeout=timeout) for ranks in spans]
     node_host_groups = [dist.new_group(ranks, backend="gloo", timeout=timeout) for ranks in spans]
+    # the same local rank on every node: its parts of the state are replicas (HSDP: their
+    # gradients are all-reduced after each node's reduce-scatter)
+    replicas = [dist.new_group([n * env["local"] + r for n in range(env["nodes"])], timeout=timeout)
+                for r in range(env["local"])]
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh.from_group(node_groups[env["node"]], device.type, mesh=spans[env["node"]],
                                  mesh_dim_names=("shard",))
@@ -161,7 +166,8 @@ def setup(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Topolog
     threads = max(1, len(os.sched_getaffinity(0)) // env["local"]) if hasattr(os, "sched_getaffinity") else 1
     torch.set_num_threads(threads)
     topo = Topology(env["world"], env["rank"], env["local"], env["local_rank"], env["node"], env["nodes"],
-                    ids[0], timeout_s, node_groups[env["node"]], node_host_groups[env["node"]], host_group, mesh)
+                    ids[0], timeout_s, node_groups[env["node"]], node_host_groups[env["node"]], host_group, mesh,
+                    replicas[env["local_rank"]])
     log.info("data parallel: %s, %d host threads", topo.describe(), threads)
     _CURRENT[dist.distributed_c10d._get_default_group()] = topo
     return topo

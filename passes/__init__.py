@@ -59,6 +59,7 @@ class PassContext:
     logits: str = "keep"                # "drop": LM head + loss fused, no logits returned (fused_lm_loss)
     mlp_tiles: Any = "auto"             # MLP sequence tiles: an int, or "auto" (tile_mlp)
     data_parallel: int = 1              # ranks sharing one host copy of the state (data_parallel)
+    data_parallel_nodes: int = 1        # nodes holding a replica each (data_parallel)
     disabled: tuple[str, ...] = ()
     debug: bool = False
     records: list = dataclasses.field(default_factory=list)

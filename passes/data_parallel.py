@@ -25,13 +25,14 @@ from ..ir import SCHEDULE, SCHEDULE_OPS, SEGMENT, STEP, Step, op_of
 from . import PassContext, graph_pass
 
 
-def sharded(step: Step, ranks: int, fp32_grad_bytes: int = 0) -> list[Step]:
+def sharded(step: Step, ranks: int, fp32_grad_bytes: int = 0, nodes: int = 1) -> list[Step]:
     """The steps that replace one schedule step with `ranks` ranks (the pass's rewrite, as data:
     `megatrain plan --gpus` simulates these). A fetch keeps the whole slot (`nbytes`, what the
     memory plan counts) but moves 1/ranks of it over PCIe and (ranks-1)/ranks over the peer
     links; a gradient offload becomes an fp32 reduce-scatter ((ranks-1)/ranks of the fp32 bytes
-    over the peer links) and the offload of this rank's fp32 part."""
-    if ranks <= 1:
+    over the peer links; with `nodes` > 1 then an all-reduce of the part across the nodes) and
+    the offload of this rank's fp32 part."""
+    if ranks * nodes <= 1:
         return [step]
     if step.op == "prefetch":
         return [Step("prefetch_shard", step.stream, step.segment, step.nbytes, moved=-(-step.nbytes // ranks)),
@@ -46,10 +47,11 @@ def _fp32_bytes(values) -> int:
     return sum(4 * v.meta["val"].numel() for v in values if isinstance(v, fx.Node) and "val" in v.meta)
 
 
-@graph_pass("data_parallel", reads=(SEGMENT, SCHEDULE), writes=(SCHEDULE,), uses=("data_parallel",))
+@graph_pass("data_parallel", reads=(SEGMENT, SCHEDULE), writes=(SCHEDULE,),
+            uses=("data_parallel", "data_parallel_nodes"))
 def data_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    ranks = ctx.data_parallel
-    if ranks <= 1:
+    ranks, nodes = ctx.data_parallel, ctx.data_parallel_nodes
+    if ranks * nodes <= 1:
         return gm
     schedule = gm.meta[SCHEDULE]
     graph = schedule.program.graph
@@ -59,7 +61,7 @@ def data_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if op not in ("prefetch", "grad_offload"):
             continue
         step = node.meta[STEP]
-        steps = sharded(step, ranks, _fp32_bytes(node.args[1]) if op == "grad_offload" else 0)
+        steps = sharded(step, ranks, _fp32_bytes(node.args[1]) if op == "grad_offload" else 0, nodes)
         if op == "prefetch":
             node.target = SCHEDULE_OPS["prefetch_shard"]
             node.meta[STEP] = steps[0]
@@ -73,6 +75,6 @@ def data_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             rs.meta[STEP], node.meta[STEP] = steps
             collectives += 1
     schedule.program.recompile()
-    ctx.records.append(("data_parallel", "sharded", {"ranks": ranks, "fetches": fetches,
+    ctx.records.append(("data_parallel", "sharded", {"ranks": ranks, "nodes": nodes, "fetches": fetches,
                                                       "reduce_scatters": collectives}))
     return gm

@@ -212,10 +212,14 @@ class DirectionRunner:
             for j, a, b, off in pieces:
                 flat[r * chunk + off: r * chunk + off + b - a].copy_(grads[j].reshape(-1)[a:b])
         if self.program.options.grad_reduce == "mean":
-            flat.div_(topo.local)
+            flat.div_(topo.world)
         mine = flat[topo.local_rank * chunk:(topo.local_rank + 1) * chunk]
         with collective(topo, f"the reduce-scatter of backward segment {seg.name}"):
             reduce_scatter_into(mine, flat, topo.node_group)
+        if topo.nodes > 1:   # HSDP: the same part on the other nodes (replicas of this rank's state)
+            import torch.distributed as dist
+            with collective(topo, f"the all-reduce across nodes of backward segment {seg.name}"):
+                dist.all_reduce(mine, group=topo.replicate_group)
         owned = {j: (a, b, mine[off: off + b - a]) for j, a, b, off in layout[topo.local_rank]}
         run.shards[k] = owned
 

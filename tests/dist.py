@@ -64,3 +64,17 @@ def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 240, env: dic
                                       text=True, env=rank_env, cwd=ROOT))
     outs = [p.communicate(timeout=timeout)[0] for p in procs]
     return [subprocess.CompletedProcess(p.args, p.returncode, o, "") for p, o in zip(procs, outs)]
+
+
+def run_nodes(args: list[str], nnodes: int = 2, nproc: int = 1, timeout: float = 240,
+              env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """`nnodes` torchrun agents on this machine, as if on `nnodes` machines (their GROUP_RANKs
+    differ, so each is a node of its own: HSDP can be tested on one box)."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank",
+                               str(i), "--nproc-per-node", str(nproc), "--monitor-interval", "0.1", "--master-addr",
+                               "127.0.0.1", "--master-port", port, *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=base, cwd=ROOT) for i in range(nnodes)]
+    outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, "") for p, o in zip(procs, outs)]

@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from dist import EXAMPLES, ROOT, run_torchrun, tiny_model_dir
+from dist import EXAMPLES, ROOT, run_nodes, run_torchrun, tiny_model_dir
 from megacompile.train import checkpoint
 from megacompile.train.config import from_mapping
 from megacompile.train.trainer import LOG_NAME, train
@@ -98,6 +98,21 @@ def test_two_ranks_train_like_one_process_at_twice_the_batch(models, tmp_path, f
         theirs = {r["step"]: r["eval_loss"] for r in _rows(ref) if "eval_loss" in r}
         assert ours.keys() == theirs.keys() == {2, 4}
         assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_two_nodes_replicate_and_train_like_one_process(models, tmp_path):
+    """HSDP: 2 torchrun agents on this box as 2 nodes of 1 rank (each node its own shared state):
+    each node's gradient parts are all-reduced across the nodes, so the replicas stay equal and
+    the run equals 1 process at twice the batch."""
+    ref = tmp_path / "one"
+    train(from_mapping(_config(models["llama"], ref, 4, False, max_steps=3, save_steps=3)), progress=False)
+    dp = tmp_path / "two"
+    cfg = tmp_path / "nodes.yaml"
+    cfg.write_text(yaml.safe_dump(_config(models["llama"], dp, 2, False, max_steps=3, save_steps=3)))
+    done = run_nodes(["-m", "megacompile.cli", "train", str(cfg)])
+    assert all(d.returncode == 0 for d in done), done[0].stdout[-3000:] + done[1].stdout[-3000:]
+    assert "2 ranks (2 node(s) x 1)" in done[0].stdout
+    _same_run(ref, dp, [1, 2, 3])
 
 
 def test_library_ranks_equal_one_process_with_tied_weights(tmp_path):
