@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,23 @@ import megacompile
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 VOCAB = 128
+EXAMPLE_DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+
+def chatml_tokenizer():
+    """A ChatML byte-level BPE tokenizer trained in-process on the example data (offline)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from megacompile.train.data import CHATML
+    texts = [line for f in EXAMPLE_DATA.glob("*.json*") for line in f.read_text().splitlines()]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1,
+                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
+                                  bos_token="<|endoftext|>")
+    tok.chat_template = CHATML
+    return tok
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the README's command runs the suite on 2 pytest-xdist workers, one per core: one thread

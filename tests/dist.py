@@ -18,19 +18,10 @@ EXAMPLES = ROOT / "examples" / "data"
 def tiny_model_dir(path: Path, family: str = "llama") -> Path:
     """A tiny model of `family` (tests/families.py) and a ChatML byte-level BPE tokenizer,
     saved like a Hub checkpoint (fp32)."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from megacompile.train.data import CHATML
     sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import chatml_tokenizer
     from families import tiny_family_model
-    texts = [line for f in EXAMPLES.glob("*.json*") for line in f.read_text().splitlines()]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1,
-                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                  bos_token="<|endoftext|>")
-    tok.chat_template = CHATML
+    tok = chatml_tokenizer()
     tok.save_pretrained(path)
     model = tiny_family_model(family, vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                               pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,

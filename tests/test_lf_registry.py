@@ -26,16 +26,8 @@ REFERENCE = Path(__file__).resolve().parent / "data" / "lf_reference"
 @pytest.fixture(scope="module")
 def tok():
     """A ChatML byte-level BPE tokenizer trained in-process on the example data (offline)."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-    texts = [line for f in EXAMPLES.glob("*.json*") for line in f.read_text().splitlines()]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1,
-                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    t = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                bos_token="<|endoftext|>")
-    t.chat_template = CHATML
-    return t
+    from conftest import chatml_tokenizer
+    return chatml_tokenizer()
 
 
 @pytest.fixture(autouse=True)

@@ -25,16 +25,11 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """A tiny Llama and a ChatML byte-level BPE tokenizer, saved like a Hub checkpoint."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import chatml_tokenizer
     path = tmp_path_factory.mktemp("tiny")
-    texts = [line for f in EXAMPLES.glob("*.json*") for line in f.read_text().splitlines()]
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(texts, vocab_size=400, min_frequency=1,
-                            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                  bos_token="<|endoftext|>")
-    tok.chat_template = CHATML
+    tok = chatml_tokenizer()
     tok.save_pretrained(path)
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
