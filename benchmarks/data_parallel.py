@@ -79,13 +79,13 @@ def measure(args, nproc: int) -> dict:
         return json.loads(Path(out).read_text())
 
 
-def planned(model: str, seq: int, batch: int, gpus=(1, 2, 4, 8)) -> None:
+def planned(model: str, seq: int, batch: int, gpus=(1, 2, 4, 8), profiles=("h100", "h200")) -> None:
     from megacompile.hardware import BUILTIN
     from megacompile.plan import plan_model
     print(f"\nplanned (megatrain plan --gpus N): {model}, {batch} x {seq} tokens per GPU per step, one node, "
           "the optimizer during the backward")
     print(f"{'gpu':>5} {'N':>2} {'step s':>8} {'collectives s*':>14} {'tokens/s':>10} {'scaling':>8}")
-    for name in ("h100", "h200"):
+    for name in profiles:
         hw = BUILTIN[name]
         base = None
         for n in gpus:
@@ -121,6 +121,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--gpu-batch", type=int, default=4)
     ap.add_argument("--plan-gpus", default="1,2,4,8", help="GPU counts to plan, comma-separated")
+    ap.add_argument("--plan-hardware", default="h100,h200", help="built-in GPU profiles to plan, comma-separated")
     ap.add_argument("--no-plan", action="store_true")
     args = ap.parse_args()
     if args.worker:
@@ -138,7 +139,8 @@ def main() -> None:
     print(f"  scaling 2 ranks / 1: {rows[2][1] / rows[1][1]:.2f}x tokens/s ({os.cpu_count()} cores shared by the "
           "ranks)")
     if not args.no_plan:
-        planned(args.model, args.seq, args.gpu_batch, tuple(int(n) for n in args.plan_gpus.split(",")))
+        planned(args.model, args.seq, args.gpu_batch, tuple(int(n) for n in args.plan_gpus.split(",")),
+                tuple(args.plan_hardware.split(",")))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ def test_nvme_tier_benchmark_smoke_run():
 
 
 def test_data_parallel_benchmark_smoke_run():
-    out = run("data_parallel.py", "--hidden", "64", "--layers", "1", "--steps", "1", "--warmup", "1", "--cpu-seq", "16",
-              "--model", "smollm2-135m", "--seq", "256", "--gpu-batch", "1", "--plan-gpus", "1,2")
+    out = run("data_parallel.py", "--hidden", "64", "--layers", "1", "--steps", "1", "--warmup", "0", "--cpu-seq", "16",
+              "--model", "smollm2-135m", "--seq", "128", "--gpu-batch", "1", "--plan-gpus", "1,2",
+              "--plan-hardware", "h200")
     assert "2 rank(s):" in out and "scaling 2 ranks / 1:" in out and " h200  2 " in out, out
