@@ -100,6 +100,22 @@ def test_two_ranks_train_like_one_process_at_twice_the_batch(models, tmp_path, f
         assert ours == pytest.approx(theirs, rel=1e-5)
 
 
+def test_lora_under_two_ranks_trains_like_one_process(models, tmp_path):
+    """LoRA: the frozen base weights are fetched in parts like any other, the adapters are owned
+    and updated in parts; the adapter checkpoint equals one process's at twice the batch."""
+    lora = dict(finetuning_type="lora", lora_rank=4, lora_target="all", max_steps=2)
+    ref = tmp_path / "one"
+    train(from_mapping(_config(models["llama"], ref, 4, False, **lora)), progress=False)
+    dp = tmp_path / "two"
+    _torchrun_train(_config(models["llama"], dp, 2, False, **lora), tmp_path / "two.yaml")
+    _same_run(ref, dp, [1, 2])
+    a = checkpoint.load_file(str(ref / "checkpoint-2" / "adapter_model.safetensors"))
+    b = checkpoint.load_file(str(dp / "checkpoint-2" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and a
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5)
+
+
 def test_two_nodes_replicate_and_train_like_one_process(models, tmp_path):
     """HSDP: 2 torchrun agents on this box as 2 nodes of 1 rank (each node its own shared state):
     each node's gradient parts are all-reduced across the nodes, so the replicas stay equal and

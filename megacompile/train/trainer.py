@@ -151,7 +151,6 @@ def check_data_parallel(config: TrainConfig, topo: Topology) -> None:
     off = [(key, why) for key, on, why in (
         ("nvme", config.nvme is not None, "the state tier"),
         ("streaming", config.streaming, "streamed data"),
-        ("finetuning_type", config.finetuning_type == "lora", "LoRA"),
     ) if on]
     if off:
         key, why = off[0]
