@@ -225,7 +225,8 @@ STEP = _key("mt_step", "node", "schedule program node -> its Step (schedule ops 
 
 def op_of(node: fx.Node) -> str:
     """What a program node is, for a table of per-op handlers: a schedule op ("prefetch",
-    "wait", "evict", "grad_offload", "offload", "reload"), "run" (a segment's body), "output_of" (an element of a
+    "wait", "evict", "grad_offload", "offload", "reload"; data parallel: "prefetch_shard",
+    "all_gather", "reduce_scatter"), "run" (a segment's body), "output_of" (an element of a
     body's result, bound when the body ran), "value" (any other op), "placeholder" or "output"."""
     step = node.meta.get(STEP)
     if step is not None:

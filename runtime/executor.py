@@ -6,11 +6,13 @@ graph with its transfers written out as ops around the body calls:
     prefetch(1, [w...]) -> wait(1) -> seg1 = body_a(x, w...) -> getitem -> evict(1) -> prefetch(3, ...)
     ... -> seg7 = body_b(...) -> grad_offload(7, [g...]) -> evict(7) ...
     (with checkpoints on the host) getitem_3 = seg2[0] -> offload(2, getitem_3) ... | reload(5, p) -> seg5
+    (data parallel) prefetch_shard(1, [w...]) -> all_gather(1) ... reduce_scatter(7, [g...]) -> grad_offload(7, ...)
 
 Running it is walking its nodes in order through one table of per-op handlers (`HANDLERS`
 below): a prefetch/wait/evict is the weight pool's, a grad_offload the gradient offloader's
 (runtime/grad_offload.py: overlapping the next segment; all in `param.grad` when the backward
-returns), an offload/reload the checkpoint mover's (runtime/checkpoints.py: host copies of layer
+returns), a prefetch_shard/all_gather the pool's over the node's process group, a reduce_scatter
+this module's (fp32, the rank's parts kept for its grad_offload), an offload/reload the checkpoint mover's (runtime/checkpoints.py: host copies of layer
 checkpoints, which are not device bytes), a run calls the lowered body with its weight inputs
 bound to device views from the pool (never the host parameters). Every value is freed right after its last reader (one
 liveness analysis, `ir.liveness`, the memory plan's too), and the byte accounting that
