@@ -12,8 +12,9 @@ Running it is walking its nodes in order through one table of per-op handlers (`
 below): a prefetch/wait/evict is the weight pool's, a grad_offload the gradient offloader's
 (runtime/grad_offload.py: overlapping the next segment; all in `param.grad` when the backward
 returns), a prefetch_shard/all_gather the pool's over the node's process group, a reduce_scatter
-this module's (fp32, the rank's parts kept for its grad_offload), an offload/reload the checkpoint mover's (runtime/checkpoints.py: host copies of layer
-checkpoints, which are not device bytes), a run calls the lowered body with its weight inputs
+this module's (fp32, the rank's parts kept for its grad_offload), an offload/reload the
+checkpoint mover's (runtime/checkpoints.py: host copies of layer checkpoints, which are not
+device bytes), a run calls the lowered body with its weight inputs
 bound to device views from the pool (never the host parameters). Every value is freed right after its last reader (one
 liveness analysis, `ir.liveness`, the memory plan's too), and the byte accounting that
 `megacompile.stats` reports is kept here. An op a later pass adds needs a handler here, in the
