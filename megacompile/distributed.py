@@ -240,11 +240,12 @@ def collective(topo: Topology, what: str):
         raise DistributedError(f"{topo.describe()}: {what} failed: {why}.") from None
 
 
-def all_gather_into(out: torch.Tensor, part: torch.Tensor, group) -> None:
-    """out <- every rank's `part`, in rank order (in place when `part` is out's own slice)."""
+def all_gather_into(out: torch.Tensor, part: torch.Tensor, group, async_op: bool = False):
+    """out <- every rank's `part`, in rank order (in place when `part` is out's own slice); with
+    `async_op`, the work to wait for."""
     import torch.distributed as dist
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # (renamed in torch 2.13)
-    fn(out, part, group=group)
+    return fn(out, part, group=group, async_op=async_op)
 
 
 def reduce_scatter_into(part: torch.Tensor, full: torch.Tensor, group) -> None:

@@ -62,7 +62,7 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
         raise ValueError(f"optimizer={optimizer!r}: 'backward' or 'forward'")
     before_prefetch = optimizer_s_per_byte is not None and optimizer == "forward"
     after_offload = optimizer_s_per_byte is not None and optimizer == "backward"
-    clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0, "ssd": t0}
+    clock = {"h2d": t0, "compute": t0, "d2h": t0, "host": t0, "ssd": t0, "comm": t0}
     arrived: dict[int, float] = {}
     # the updates in the order they run (with ssd: read one ahead of the one running)
     updates = [(s.segment, s.nbytes or (costs[s.segment].grad_bytes if s.op == "grad_offload" else 0))
@@ -138,20 +138,18 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
             clock["compute"] = end
         return start, end
 
-    # data parallelism, as the runtime runs the collectives now: on the compute stream (an
-    # all-gather once its part arrived, a reduce-scatter after its run; the next reader waits)
-    def collective(after: float, nbytes: int) -> tuple[float, float]:
-        start = max(clock["compute"], after)
-        end = clock["compute"] = start + nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
+    # data parallelism, as the runtime runs the collectives: an all-gather on the comm stream once
+    # its part arrived (its segment's wait waits for it; it runs under the bodies before), a
+    # reduce-scatter on the compute stream after its run (its offload reads the result at once)
+    def gather(k: int, nbytes: int) -> tuple[float, float]:
+        start = max(clock["comm"], arrived[k])
+        end = clock["comm"] = arrived[k] = start + nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
         return start, end
 
-    def gather(k: int, nbytes: int) -> tuple[float, float]:
-        start, arrived[k] = collective(arrived[k], nbytes)
-        return start, arrived[k]
-
     def reduce(k: int, nbytes: int) -> tuple[float, float]:
-        start, ran[k] = collective(ran[k], nbytes)
-        return start, ran[k]
+        start = max(clock["compute"], ran[k])
+        end = clock["compute"] = ran[k] = start + nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
+        return start, end
 
     # one handler per schedule op (the executor and the memory plan have theirs)
     handlers = {"prefetch": prefetch, "wait": wait, "run": run, "grad_offload": copy_out, "evict": evict,

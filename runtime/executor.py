@@ -243,7 +243,10 @@ class DirectionRunner:
         return self._layouts[k]
 
     def _wait(self, run: _Run, node: fx.Node) -> None:
-        run.pool.wait(node.meta[STEP].segment)
+        k = node.meta[STEP].segment
+        with collective(self.program.topo, f"the all-gather of {self.direction} segment "
+                                           f"{self.schedule.segments[k].name}"):
+            run.pool.wait(k)   # (and, data parallel, for its collectives)
 
     def _evict(self, run: _Run, node: fx.Node) -> None:
         run.pool.evict(node.meta[STEP].segment)

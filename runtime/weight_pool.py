@@ -12,7 +12,7 @@ the CPU copies are synchronous and `wait` is free.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,15 +40,15 @@ class Resident:
     event: object = None
     routed: list = None        # views whose rows are fetched by routing
     gather: tuple = None       # data parallelism: (row bytes to all-gather, end of the rest to all-reduce)
+    works: list = field(default_factory=list)   # its collectives in flight (waited for by `wait`)
 
 
-def _sum_owned(res: Resident, head: int, end: int, group) -> None:
+def _sum_owned(res: Resident, head: int, end: int, group) -> list:
     """All-reduce (sum) each weight outside the row in its own dtype (a sum of bytes would carry
-    between elements), in place: they are contiguous views of the buffer."""
+    between elements), in place: they are contiguous views of the buffer. Returns the works."""
     import torch.distributed as dist
-    for view in res.views.values():
-        if head <= view.data_ptr() - res.buffer.data_ptr() < end:
-            dist.all_reduce(view, group=group)
+    return [dist.all_reduce(view, group=group, async_op=True) for view in res.views.values()
+            if head <= view.data_ptr() - res.buffer.data_ptr() < end]
 
 
 @dataclass
@@ -143,25 +143,36 @@ class DeviceWeightPool:
         c.peak_resident_bytes = max(c.peak_resident_bytes, c.resident_bytes)
 
     def gather(self, key: int, group, rank: int) -> None:
-        """(data parallelism) Complete a sharded fetch from every rank's part: the row by an
-        in-place all-gather of the slices, the other weights by an all-reduce of the owned
-        elements over zeros (exact: each element is one rank's value plus zeros)."""
+        """(data parallelism) Start completing a sharded fetch from every rank's part: the row by
+        an in-place all-gather of the slices, the other weights by an all-reduce of the owned
+        elements over zeros (exact: each element is one rank's value plus zeros). Asynchronous:
+        issued after this rank's copy (on CUDA from the copy stream, so the collective waits for
+        the copy and the compute stream does not), waited for by `wait(key)` before the body
+        that reads the weights; it runs under the bodies before it."""
         import torch.distributed as dist
         from ..distributed import all_gather_into
         res = self.resident[key]
-        self.wait(key)   # (the collectives run on the compute stream, after this rank's copy)
         head, end = res.gather
-        if head:
-            size = head // dist.get_world_size(group)
-            all_gather_into(res.buffer[:head], res.buffer[rank * size:(rank + 1) * size], group)
-        if end > head:
-            _sum_owned(res, head, end, group)
+        works = []
+        with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
+            if head:
+                size = head // dist.get_world_size(group)
+                works.append(all_gather_into(res.buffer[:head], res.buffer[rank * size:(rank + 1) * size], group,
+                                             async_op=True))
+            if end > head:
+                works += _sum_owned(res, head, end, group)
+        res.works = [w for w in works if w is not None]
 
     def wait(self, key: int) -> None:
+        """The compute stream (the CPU: this thread) waits for the segment's copy and, under data
+        parallelism, its collectives."""
         res = self.resident[key]
         if res.event is not None:
             torch.cuda.current_stream(self.device).wait_event(res.event)
             res.event = None
+        works, res.works = res.works, []
+        for work in works:
+            work.wait()
 
     def views(self, key: int) -> dict[int, torch.Tensor]:
         return self.resident[key].views
