@@ -668,7 +668,8 @@ def to_text(plan: Plan) -> str:
         lines += ["", f"data parallel: {plan.gpus} GPUs on one node, each at the batch above (tokens/s are the "
                       f"node's); /dev/shm holds the state once: {_fmt(plan.shm_bytes)}; each GPU fetches 1/{plan.gpus} "
                       f"of every layer over PCIe and all-gathers the rest, reduce-scatters the gradients in fp32 over "
-                      f"the peer links ({hw.get('peer_gbps', 0):.0f} GB/s), the collectives on the compute stream"]
+                      f"the peer links ({hw.get('peer_gbps', 0):.0f} GB/s): the all-gathers under the bodies before "
+                      "them, the reduce-scatters on the compute stream"]
     for p in plan.problems:
         lines.append(f"CANNOT FIT: {p}")
     return "\n".join(lines)
