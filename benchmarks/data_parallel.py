@@ -11,8 +11,9 @@ planned for 1/2/4/8 H100s and H200s at equal per-device batch.
    node at the same per-device batch: each GPU's step simulated with its part of every fetch over
    PCIe, the all-gathers on their own stream (under the bodies before their segment) and the fp32
    reduce-scatters on the compute stream (as this version runs them) at the profile's `peer_gbps`
-   (NVLink 4: 360 GB/s assumed, NCCL's bus bandwidth, not measured), and the node's host optimizer doing the one-GPU work during the backward (each rank
-   updates 1/N; they share the host's memory bandwidth). Scaling = the node's tokens/s over one
+   (NVLink 4: 360 GB/s assumed, NCCL's bus bandwidth, not measured), and the node's host optimizer
+   doing the one-GPU work during the backward (each rank updates 1/N; they share the host's memory
+   bandwidth). Scaling = the node's tokens/s over one
    GPU's.
 
     python benchmarks/data_parallel.py [--hidden 512 --layers 4 --steps 6] [--model qwen2.5-7b --seq 4096]
