@@ -160,8 +160,7 @@ def setup(device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S) -> Topolog
     from torch.distributed.device_mesh import DeviceMesh
     mesh = DeviceMesh.from_group(node_groups[env["node"]], device.type, mesh=spans[env["node"]],
                                  mesh_dim_names=("shard",))
-    run_id = env["run_id"] or ""
-    ids = [run_id or uuid.uuid4().hex]
+    ids = [env["run_id"] or uuid.uuid4().hex]
     dist.broadcast_object_list(ids, src=0, group=host_group)   # one name for the node heap's files
     threads = max(1, len(os.sched_getaffinity(0)) // env["local"]) if hasattr(os, "sched_getaffinity") else 1
     torch.set_num_threads(threads)

@@ -141,14 +141,17 @@ def simulate(steps, costs: list[SegmentCost], hw: Hardware, t0: float = 0.0,
     # data parallelism, as the runtime runs the collectives: an all-gather on the comm stream once
     # its part arrived (its segment's wait waits for it; it runs under the bodies before), a
     # reduce-scatter on the compute stream after its run (its offload reads the result at once)
+    def peer(nbytes: int) -> float:   # a collective's seconds over the peer links
+        return nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
+
     def gather(k: int, nbytes: int) -> tuple[float, float]:
         start = max(clock["comm"], arrived[k])
-        end = clock["comm"] = arrived[k] = start + nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
+        end = clock["comm"] = arrived[k] = start + peer(nbytes)
         return start, end
 
     def reduce(k: int, nbytes: int) -> tuple[float, float]:
         start = max(clock["compute"], ran[k])
-        end = clock["compute"] = ran[k] = start + nbytes / (hw.peer_gbps * 1e9) + hw.peer_latency_us * 1e-6
+        end = clock["compute"] = ran[k] = start + peer(nbytes)
         return start, end
 
     # one handler per schedule op (the executor and the memory plan have theirs)

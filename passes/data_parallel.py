@@ -11,11 +11,12 @@ ranks and only the owned part goes back to the host:
     grad_offload(7, [g...])           ->  reduce_scatter(7, [g...])    (comm: fp32 sum, own part kept)
                                           grad_offload(7, [g...])      (d2h: the owned part only)
 
-The runtime's handlers (runtime/executor.py) run them over the node's process group; the
-memory plan counts a sharded fetch as the whole segment (the gathered buffer is whole) and the
-simulator times them (the collectives as free in this version). Disabled, or with one rank,
-the program is unchanged: every rank would then fetch whole weights it does not own, which the
-runtime refuses under data parallelism.
+With more than one node (`nodes`), a rank's reduced part is also all-reduced with the same
+rank of the other nodes (their replicas). The runtime's handlers (runtime/executor.py) run them
+over the node's process group; the memory plan counts a sharded fetch as the whole segment (the
+gathered buffer is whole) and the simulator times them on the peer links (megacompile/simulate.py).
+With one rank on one node the program is unchanged. Disabling the pass under data parallelism is
+refused (backend._check_data_parallel): every rank would fetch and update weights it does not own.
 """
 from __future__ import annotations
 

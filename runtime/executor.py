@@ -244,9 +244,12 @@ class DirectionRunner:
 
     def _wait(self, run: _Run, node: fx.Node) -> None:
         k = node.meta[STEP].segment
+        if not self.program.topo.enabled:
+            run.pool.wait(k)
+            return
         with collective(self.program.topo, f"the all-gather of {self.direction} segment "
                                            f"{self.schedule.segments[k].name}"):
-            run.pool.wait(k)   # (and, data parallel, for its collectives)
+            run.pool.wait(k)   # (and for its collectives)
 
     def _evict(self, run: _Run, node: fx.Node) -> None:
         run.pool.evict(node.meta[STEP].segment)

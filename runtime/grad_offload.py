@@ -113,7 +113,6 @@ class GradOffloader:
                 if final:
                     self._completed(entry)
             return moved
-        event = None
         # whole gradients go through a slab of their kind; routed rows (a different count every
         # step) through the allocator as before
         whole = [it for it in items if it[2] is None]
@@ -130,21 +129,9 @@ class GradOffloader:
                 host, moved = view.copy_(grad, non_blocking=non_blocking), grad.numel() * grad.element_size()
             return entry, host, rows, final, view is not None, moved
 
-        if self.stream is not None:
-            # copies (and routed-row gathers) on the D2H stream, after the body that made the grads
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                staged = [stage(item) for item in items]
-                for _, grad, _, _ in items:
-                    grad.record_stream(self.stream)
-            event = torch.cuda.Event(blocking=True)   # (the worker sleeps in synchronize(), not spins:
-            event.record(self.stream)                 # the host optimizer wants the cores)
-        else:
-            staged = [stage(item) for item in items]
-        while len(self.pending) >= self.max_pending:
-            self.pending.popleft().result()
-        future = self.worker().submit(_land, event, [s[:5] for s in staged], self._completed)
-        self.pending.append(future)
+        # copies (and routed-row gathers) on the D2H stream, after the body that made the grads
+        staged, event = self._staged(lambda: [stage(item) for item in items], [grad for _, grad, _, _ in items])
+        future = self._queue(_land, event, [s[:5] for s in staged])
         if slab is not None:
             slab.busy = future
         return sum(s[5] for s in staged)
@@ -153,28 +140,39 @@ class GradOffloader:
         """Data parallelism: send this rank's summed parts of one segment's gradients (entry,
         device fp32 part or None, its element range, whether this completes the weight's
         gradient) into the node's shared gradients; returns the bytes that cross the link."""
-        event = None
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.stream):
-                staged = [(e, None if t is None else t.to("cpu", non_blocking=True), piece, final)
-                          for e, t, piece, final in items]
-                for _, t, _, _ in items:
-                    if t is not None:
-                        t.record_stream(self.stream)
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.stream)
-        else:
-            staged = [(e, t if t is None or t.device.type == "cpu" else t.to("cpu"), piece, final)
-                      for e, t, piece, final in items]
+        non_blocking = self.stream is not None
+        staged, event = self._staged(
+            lambda: [(e, None if t is None else t.to("cpu", non_blocking=non_blocking), piece, final)
+                     for e, t, piece, final in items], [t for _, t, _, _ in items if t is not None])
         moved = sum(t.numel() * t.element_size() for _, t, _, _ in items if t is not None)
         if not self.overlap:
             _land_pieces(None, staged, self._completed)
-            return moved
+        else:
+            self._queue(_land_pieces, event, staged)
+        return moved
+
+    def _staged(self, stage, tensors: list[torch.Tensor]) -> tuple[list, object]:
+        """Run `stage()` (the device-to-host copies) on the D2H stream once the compute stream has
+        made `tensors` (kept from the allocator until the copies read them): (its result, the event
+        the landing waits for; None without a D2H stream)."""
+        if self.stream is None:
+            return stage(), None
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            staged = stage()
+            for t in tensors:
+                t.record_stream(self.stream)
+        event = torch.cuda.Event(blocking=True)   # (the worker sleeps in synchronize(), not spins:
+        event.record(self.stream)                 # the host optimizer wants the cores)
+        return staged, event
+
+    def _queue(self, land, event, staged) -> Future:
+        """Hand a landing to the worker once fewer than `max_pending` are in flight."""
         while len(self.pending) >= self.max_pending:
             self.pending.popleft().result()
-        self.pending.append(self.worker().submit(_land_pieces, event, staged, self._completed))
-        return moved
+        future = self.worker().submit(land, event, staged, self._completed)
+        self.pending.append(future)
+        return future
 
     def drain(self) -> None:
         """Return once every offloaded gradient is in `param.grad` (re-raises a worker error)."""

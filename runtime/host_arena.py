@@ -77,28 +77,23 @@ def _allocate(nbytes: int, pin: bool) -> torch.Tensor:
     base = torch.empty(span + _PAGE, dtype=torch.uint8)
     start = -base.data_ptr() % _PAGE
     arena = base[start: start + nbytes]   # (the view keeps `base` alive)
-    err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), span, _REGISTER_PORTABLE)
-    if int(err) != 0:   # still correct, only the copies from this arena are synchronous
-        _clear_cuda_error()
-        import warnings
-        warnings.warn(f"megatrain: cudaHostRegister of a {nbytes / 2**30:.2f} GiB host arena failed ({err}); "
-                      "its weights are copied to the device without overlap. Check the host's locked-memory "
-                      "limit (ulimit -l).", stacklevel=3)
-    else:   # (the caller keeps this tensor for as long as the arena is in use)
-        weakref.finalize(arena, _unregister, arena.data_ptr())
+    _register(arena, nbytes, "host arena")
     return arena
 
 
-def _register(tensor: torch.Tensor, nbytes: int) -> None:
-    """Register a page-aligned host range with CUDA (a node heap's arena: its pages are the
-    node's, each rank registers them for its own context)."""
+def _register(tensor: torch.Tensor, nbytes: int, what: str) -> None:
+    """Register a page-aligned host range (its whole pages) with CUDA; unregistered when the
+    tensor goes (the caller keeps it for as long as it is in use). A failure leaves it correct,
+    only the copies from it synchronous: a warning says so. (A node heap's range is the node's
+    shared memory: each rank registers it for its own CUDA context.)"""
     span = -(-nbytes // _PAGE) * _PAGE
     err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), span, _REGISTER_PORTABLE)
     if int(err) != 0:
         _clear_cuda_error()
         import warnings
-        warnings.warn(f"megatrain: cudaHostRegister of {nbytes / 2**30:.2f} GiB of the node's shared memory failed "
-                      f"({err}); its weights are copied to the device without overlap.", stacklevel=3)
+        warnings.warn(f"megatrain: cudaHostRegister of a {nbytes / 2**30:.2f} GiB {what} failed ({err}); its weights "
+                      "are copied to the device without overlap. Check the host's locked-memory limit (ulimit -l).",
+                      stacklevel=3)
     else:
         weakref.finalize(tensor, _unregister, tensor.data_ptr())
 
@@ -164,8 +159,8 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
     def padded(row_bytes: int) -> int:   # (data parallelism: each rank's slice of a row is whole pages)
         return -(-row_bytes // (ranks * _PAGE)) * ranks * _PAGE if heap is not None else row_bytes
     if heap is not None:   # the rows and the weights left out, in one chunk of exactly their bytes
-        loose = [entries[i].source() for i in sorted(entries) if not entries[i].shared
-                 and not any(i in own for members in new.values() for own in members)]
+        placing = {i for members in new.values() for own in members for i in own}
+        loose = [entries[i].source() for i in sorted(entries) if not entries[i].shared and i not in placing]
         heap.reserve(sum(heap.span((padded(layout(list(sig))[1]) * len(members),), torch.uint8)
                          for sig, members in new.items()) + sum(heap.span(t.shape, t.dtype) for t in loose))
     for signature, members in new.items():
@@ -174,7 +169,7 @@ def build(segments, entries: dict, pin: bool, heap=None) -> dict[int, ArenaRow]:
             row_bytes = padded(row_bytes)
             arena = heap.alloc((row_bytes * len(members),), torch.uint8)
             if pin:
-                _register(arena, arena.numel())
+                _register(arena, arena.numel(), "shared host arena")
         else:
             arena = _allocate(row_bytes * len(members), pin)
         raw = memoryview(arena.numpy())
@@ -222,7 +217,7 @@ def _share_alone(entry, heap, pin: bool) -> None:
     with torch.no_grad():
         t.copy_(src)
     if pin and t.numel():
-        _register(t, t.numel() * t.element_size())
+        _register(t, t.numel() * t.element_size(), "shared weight")
     _rebind(entry, t)
     entry.shared = True
 

@@ -272,11 +272,10 @@ def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool, 
 
 def _to_heap(entry: WeightEntry, heap) -> None:
     """Move a trainable entry's master into the node heap and give it shared moments and a
-    gradient (every rank writes the same values now; nothing updates them before the ranks
-    meet at the arenas' barrier, runtime/host_arena.py)."""
+    gradient; register() picks the entries that have none yet. (Every rank writes the same
+    values now; nothing updates them before the ranks meet at the arenas' barrier,
+    runtime/host_arena.py.)"""
     p = entry.param
-    if entry.grad_home is not None or not p.requires_grad:
-        return
     if entry.tier is not None:
         raise RuntimeError("megatrain: the state tier (nvme) is not available with data parallelism yet")
     _install_hooks()   # (a torch optimizer on the shared weights is refused: _pre_step)

@@ -103,17 +103,16 @@ class DeviceWeightPool:
         copies = 0
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
-        moved = 0
+        mine = 0   # (data parallelism: the bytes of this rank's part)
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             if row is not None and shard is not None:   # this rank's slice of the row
                 size = head // shard[0]
                 part = slice(shard[1] * size, (shard[1] + 1) * size)
                 buffer[part].copy_(row.buffer[part], non_blocking=stream is not None)
-                copies, moved = copies + 1, moved + size
+                copies, mine = copies + 1, mine + size
             elif row is not None:
                 buffer[:head].copy_(row.buffer, non_blocking=stream is not None)
-                copies, moved = copies + 1, moved + sum(sources[i].numel() * sources[i].element_size()
-                                                        for i in row.offsets if i in sources)
+                copies += 1
             if shard is not None and rest_bytes:
                 buffer[head:].zero_()   # (summed over the ranks: each adds the elements it owns)
             for i, src in sources.items():
@@ -124,10 +123,10 @@ class DeviceWeightPool:
                 elif (row is None or i not in row.offsets) and shard is not None:
                     for a, b in entries[i].shards[shard[1]]:
                         view.view(-1)[a:b].copy_(src.view(-1)[a:b], non_blocking=stream is not None)
-                        copies, moved = copies + 1, moved + (b - a) * src.element_size()
+                        copies, mine = copies + 1, mine + (b - a) * src.element_size()
                 elif row is None or i not in row.offsets:
                     view.copy_(src, non_blocking=stream is not None)
-                    copies, moved = copies + 1, moved + n
+                    copies += 1
                 views[i] = view
         event = None
         if stream is not None:
@@ -137,7 +136,8 @@ class DeviceWeightPool:
         self.resident[key] = Resident(buffer, views, nbytes, event, [views[i] for i in routed],
                                       (head, head + rest_bytes) if shard is not None else None)
         c = self.counters
-        c.h2d_bytes += moved
+        c.h2d_bytes += mine if shard is not None else sum(s.numel() * s.element_size() for i, s in sources.items()
+                                                          if i not in routed)
         c.h2d_copies += copies
         c.resident_bytes += nbytes
         c.peak_resident_bytes = max(c.peak_resident_bytes, c.resident_bytes)

@@ -187,15 +187,17 @@ def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: 
     model.eval()
     total, tokens = 0.0, 0
     starts = list(range(0, len(examples), batch_size))
+    # (batch start, whether it counts): one process all of them; a rank its own, then repeats
+    # of its last (or of the first) uncounted until it ran as many forwards as the busiest rank
     mine = starts[topo.rank::topo.world]
-    rounds = -(-len(starts) // topo.world)
+    plan = [(mine[min(j, len(mine) - 1)] if mine else 0, j < len(mine))
+            for j in range(-(-len(starts) // topo.world))]
     try:
         with torch.no_grad():
-            for j in range(rounds if topo.enabled else len(starts)):
-                k = (mine[min(j, len(mine) - 1)] if mine else 0) if topo.enabled else starts[j]
+            for k, counts in plan:
                 batch = collate(examples[k: k + batch_size], pad_id, images=images)
-                n = trained_tokens(batch) if not topo.enabled or j < len(mine) else 0
-                if n == 0 and not topo.enabled:
+                n = trained_tokens(batch) if counts else 0
+                if n == 0 and not topo.enabled:   # (several ranks: every forward runs, its collectives pair up)
                     continue
                 # the loss summed over the batch's tokens / n: times n is the batch's sum
                 try:

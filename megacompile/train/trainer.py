@@ -36,7 +36,7 @@ from ..runtime.adamw import HostAdamW, Overlap
 from ..runtime.state_tier import StateTier
 from ..runtime.tier_io import TierIOError
 from ..vlm import is_vlm
-from . import checkpoint, lora, resume, schedule, stream
+from . import checkpoint, lora, ranks, resume, schedule, stream
 from .config import TrainConfig
 from .data import IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint, show_example
 from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
@@ -116,13 +116,13 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
     if not topo.writer:
         logs.console().setLevel("WARNING")
     try:
-        agree(topo, check_data_parallel, config, topo)
+        agree(topo, ranks.check_config, config, topo)
         if topo.enabled and device.type == "cuda":
             device = torch.device("cuda", topo.local_rank)
         with contextlib.ExitStack() as cleanup:   # (the state tier's files go at the end)
             # only rank 0 owns output_dir (its lock, its checks, its files); the others follow its decisions
             run = agree(topo, lambda: cleanup.enter_context(RunDir(config)) if topo.writer else None)
-            run = run if topo.writer else _Follower(config, distributed.broadcast(topo, None))
+            run = run if topo.writer else ranks.Follower(config, distributed.broadcast(topo, None))
             if topo.writer:
                 distributed.broadcast(topo, run.resume_from)
             state = _train(config, run, device, stop_at_step, progress, cleanup, topo)
@@ -130,32 +130,6 @@ def train(config: TrainConfig, *, stop_at_step: int | None = None, progress: boo
         return state
     finally:
         distributed.end(topo)
-
-
-class _Follower:
-    """What a rank other than 0 knows of output_dir: where it is and what rank 0 resumes."""
-
-    def __init__(self, config: TrainConfig, resume_from):
-        self.out = Path(config.output_dir).expanduser()
-        self.resume_from = resume_from
-        self.notes: list[str] = []
-
-    def start(self, step: int) -> list[str]:
-        return []
-
-
-def check_data_parallel(config: TrainConfig, topo: Topology) -> None:
-    """What does not run with more than one rank yet (ConfigError before anything loads)."""
-    if not topo.enabled:
-        return
-    off = [(key, why) for key, on, why in (
-        ("nvme", config.nvme is not None, "the state tier"),
-        ("streaming", config.streaming, "streamed data"),
-    ) if on]
-    if off:
-        key, why = off[0]
-        raise ConfigError(f"{key}: {why} does not run with more than one rank yet ({topo.world} ranks here). Run it "
-                          "in one process, or leave it out.")
 
 
 def _resume_point(run: RunDir, config: TrainConfig) -> checkpoint.Loaded | None:
@@ -249,9 +223,9 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     _seed(config.seed + topo.rank)   # (each rank its own dropout; the sample order is seeded apart: data.Order)
     source = ModelSource(config, device)
     arch = source.meta_model()
-    if topo.enabled and is_vlm(arch):
-        agree(topo, _refuse, f"{arch.config.model_type}: a vision-language model does not run with more than one rank "
-                             "yet. Run it in one process.")
+    if topo.enabled and is_vlm(arch):   # (the same model on every rank: each refuses alike)
+        raise ConfigError(f"{arch.config.model_type}: a vision-language model does not run with more than one rank "
+                          "yet. Run it in one process.")
     tuning = apply_finetuning(arch, config)   # (the preflight counts what trains; bad module names fail here)
     if tuning:
         say(tuning)
@@ -445,7 +419,7 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
     ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     per = config.per_device_train_batch_size
     mine = slice(topo.rank * per, (topo.rank + 1) * per)   # this rank's part of each global micro-batch
-    with open(out / LOG_NAME, "a") if topo.writer else contextlib.nullcontext(_NoLog()) as log:
+    with open(out / LOG_NAME if topo.writer else os.devnull, "a") as log:   # (rank 0 writes the run log)
         while state["step"] < total:
             t0 = time.perf_counter()
             picked = [order.next_examples(examples)[mine] for _ in range(accum)]
@@ -480,9 +454,9 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
                 state["skipped_steps"] += 1
                 skipped += 1
                 streak += 1
-                (bar.write if topo.writer else _quiet)(
-                    f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm ({norm}); the "
-                    "optimizer step is skipped, the weights are unchanged.")
+                if topo.writer:
+                    bar.write(f"[megatrain] step {state['step'] + 1}: non-finite loss ({loss}) or gradient norm "
+                              f"({norm}); the optimizer step is skipped, the weights are unchanged.")
             optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]   # the lr this step used: HF logs it (taken before the scheduler moves)
             scheduler.step()
@@ -548,24 +522,6 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     return ran, skipped
-
-
-def _quiet(text: str) -> None:
-    """(a rank other than 0: rank 0 says it)"""
-
-
-def _refuse(text: str) -> None:
-    raise ConfigError(text)
-
-
-class _NoLog:
-    """The run log of a rank that does not write one."""
-
-    def write(self, text: str) -> None:
-        pass
-
-    def flush(self) -> None:
-        pass
 
 
 def _epoch(state: dict, steps_per_epoch: int | None, order) -> float:
