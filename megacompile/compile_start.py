@@ -6,10 +6,25 @@ Dynamo calls its start callbacks before it traces a frame. For the outermost mod
     registration cannot be traced, and the router logits' auxiliary loss needs them;
   * selects megatrain's segment attention (attention.py) unless the compile options say
     `attention="transformers"`: transformers' SDPA path builds a [batch, 1, seq, seq] mask under
-    tracing; the segment path never does. A model segment attention cannot run keeps its own.
+    tracing; the segment path never does. A model segment attention cannot run keeps its own;
+  * lifts every gradient whose dtype differs from its parameter's off the parameter until the
+    compile ends (the end callback puts the same tensors back):
+
+        start:  p (bf16), p.grad (fp32, the micro-batches so far)  ->  p.grad = None, kept aside
+        trace:  Dynamo wraps p; nothing else runs
+        end:    p.grad = the kept tensor (same object, same version)
+
+    Why: a low-precision parameter's gradient is fp32 on the host (runtime/store.py), and Dynamo
+    refuses to wrap a parameter whose grad dtype differs from its own ("dtype mismatch between
+    tensor and its gradient": a graph break). It checks only when it wraps one, in a trace, and
+    no guard reads grads, so the compiled graph's guards hold either way. A trace with gradients
+    present is any recompile inside an accumulated step: the second micro-batch padded to a new
+    length. The gradients stay on `param.grad` between micro-batches otherwise, because a user's
+    torch optimizer and `clip_grad_norm_` read them there; the guard is satisfied by
+    construction instead of by the runtime owning gradient storage.
 
 `torch._dynamo.reset()` drops Dynamo's callbacks; `register()` runs on import of megacompile and
-again in the backend. A compile right after a reset misses both: the backend then installs the
+again in the backend (both callbacks). A compile right after a reset misses both: the backend then installs the
 hooks itself when it meets their graph break, and warns that the graph in hand keeps
 transformers' attention (`late`; Dynamo does not guard on the implementation, so selecting it
 then would not recompile the graph).
@@ -17,11 +32,13 @@ then would not recompile the graph).
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
 from . import attention, output_hooks
 from .capture import outermost_compiled_module
+from .runtime.store import assign_grad
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +85,69 @@ def late(model: torch.nn.Module, attention_choice: str) -> None:
                     type(model).__name__)
 
 
+class LiftedGrads:
+    """Gradients taken off their parameters for the length of one compile (module docstring)."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[weakref.ref, torch.Tensor]] = []
+
+    def lift(self, model: torch.nn.Module) -> int:
+        """Take off every gradient of `model` whose dtype is not its parameter's; returns how many."""
+        for p in model.parameters():
+            grad = p.grad
+            if grad is not None and grad.dtype != p.dtype:
+                self._held.append((weakref.ref(p), grad))
+                p.grad = None
+        return len(self._held)
+
+    def restore(self) -> None:
+        """Put every lifted gradient back on its parameter (a parameter given a new gradient
+        meanwhile keeps it: nothing runs between start and end that would)."""
+        held, self._held = self._held, []
+        for ref, grad in held:
+            p = ref()
+            if p is not None and p.grad is None:
+                assign_grad(p, grad)
+
+
+_LIFTED = LiftedGrads()   # (Dynamo runs one compile at a time: its callbacks pair start and end)
+
+
 def _on_compile_start(_args) -> None:
     compiled = outermost_compiled_module()
     wrapper = _megatrain_wrapper(compiled) if compiled is not None else None
     if wrapper is not None:
         prepare(compiled._orig_mod, _attention_option(wrapper))
+        if _LIFTED.lift(compiled._orig_mod):
+            log.debug("megatrain: fp32 gradients lifted off low-precision parameters while Dynamo traces")
+
+
+def _on_compile_end(_args) -> None:
+    _LIFTED.restore()
+
+
+def registered() -> bool:
+    """Whether both callbacks are registered (torch._dynamo.reset() drops them)."""
+    handler = getattr(torch._dynamo, "callback_handler", None)
+    return (handler is not None and _on_compile_start in handler.start_callbacks
+            and _on_compile_end in handler.end_callbacks)
 
 
 def register() -> None:
-    """Register the compile-start callback if it is not registered (idempotent)."""
+    """Register the compile-start and compile-end callbacks where they are not (idempotent)."""
     handler = getattr(torch._dynamo, "callback_handler", None)
-    if handler is not None and _on_compile_start not in handler.start_callbacks:
+    if handler is None:
+        return
+    if _on_compile_start not in handler.start_callbacks:
         handler.register_start_callback(_on_compile_start)
+    if _on_compile_end not in handler.end_callbacks:
+        handler.register_end_callback(_on_compile_end)
 
 
 def unregister() -> None:
-    """Remove the callback (torch._dynamo.reset() does the same)."""
+    """Remove the callbacks (torch._dynamo.reset() does the same)."""
     handler = getattr(torch._dynamo, "callback_handler", None)
     if handler is not None and _on_compile_start in handler.start_callbacks:
         handler.remove_start_callback(_on_compile_start)
+    if handler is not None and _on_compile_end in handler.end_callbacks:
+        handler.remove_end_callback(_on_compile_end)

@@ -132,17 +132,8 @@ class WeightEntry:
         if spare is not None and (host.dtype != want or borrowed):   # a new tensor either way: this one
             host, borrowed = spare.copy_(host), False
         if host.dtype != want:
-            host = host.to(want)
-        if host.dtype == p.dtype:
-            p.grad = host.clone(memory_format=torch.contiguous_format) if borrowed else host.contiguous()
-        else:
-            # A grad must match its tensor's dtype when assigned, so assign the fp32 grad while the
-            # parameter shows its fp32 master; it survives the switch back to the transfer copy.
-            # (Works on every torch we support; `grad_dtype` exists only in recent releases.)
-            transfer = p.data
-            p.data = self.master
-            p.grad = host.contiguous()
-            p.data = transfer
+            host, borrowed = host.to(want), False
+        assign_grad(p, host.clone(memory_format=torch.contiguous_format) if borrowed else host.contiguous())
 
     def add_grad_piece(self, host: torch.Tensor | None, piece: tuple[int, int] | None) -> None:
         """Data parallelism: add this rank's summed part `host` (fp32, flat) of the gradient into
@@ -152,14 +143,7 @@ class WeightEntry:
         self.wait_ready()
         fresh = p.grad is None
         if fresh:
-            grad = self.grad_home
-            if p.dtype == grad.dtype:
-                p.grad = grad
-            else:   # (as in add_host_grad: assigned while the parameter shows its fp32 master)
-                transfer = p.data
-                p.data = self.master
-                p.grad = grad
-                p.data = transfer
+            assign_grad(p, self.grad_home)
         if host is not None:
             target = p.grad.view(-1)[piece[0]:piece[1]]
             if fresh:
@@ -209,6 +193,22 @@ def _set_event() -> threading.Event:
     event = threading.Event()
     event.set()
     return event
+
+
+def assign_grad(p: nn.Parameter, grad: torch.Tensor | None) -> None:
+    """`p.grad = grad`, also when `grad` is fp32 and `p` a bf16/fp16 transfer copy: torch checks
+    a grad's dtype against its tensor's on assignment, so the grad is assigned while `p` shows a
+    4-byte stand-in of the grad's dtype and shape; it survives the switch back (the version
+    counter does not move). Works on every torch we support (`grad_dtype` is recent)."""
+    if grad is None or grad.dtype == p.dtype:
+        p.grad = grad
+        return
+    data = p.data
+    p.data = torch.empty((), dtype=grad.dtype, device=data.device).expand(data.shape)
+    try:
+        p.grad = grad
+    finally:
+        p.data = data
 
 
 def entry_of(p: nn.Parameter) -> WeightEntry | None:
