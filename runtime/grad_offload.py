@@ -99,8 +99,16 @@ class GradOffloader:
 
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
+            before = torch.get_num_threads()
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatrain-grads",
                                               initializer=torch.set_num_threads, initargs=(_landing_threads(),))
+            self._worker.submit(int).result()   # (its initializer has run)
+            # torch.set_num_threads also sets the process-wide count that a thread reads when it
+            # first runs a parallel op from another library (at::init_num_threads): left at the
+            # worker's, the training thread shrank to it at its first call into the host AdamW
+            # kernel, and Dynamo recompiled the whole model for the changed num_threads (its
+            # global-state guard). Put back the calling thread's.
+            torch.set_num_threads(before)
         return self._worker
 
     def offload(self, items: list[tuple["WeightEntry", torch.Tensor, list[int] | None, bool]]) -> int:  # noqa: F821
