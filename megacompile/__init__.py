@@ -6,8 +6,8 @@
     print(megacompile.stats(cmodel))
 """
 from .backend import megatrain_backend, stats
-from .errors import (CannotFitError, ConfigError, GraphBreakError, MegatrainError, ResidencyError, TrainingError,
-                     UnsupportedModelError)
+from .errors import (CannotFitError, ConfigError, GraphBreakError, InternalError, MegatrainError, ResidencyError,
+                     TrainingError, UnsupportedModelError)
 from .options import Options
 from .runtime.adamw import HostAdamW
 from .runtime.store import master_weight
@@ -17,8 +17,8 @@ compile_start.register()
 
 
 def reset() -> None:
-    """torch._dynamo.reset(), keeping megatrain's compile-start callback (which Dynamo's reset
-    drops: compile_start.py): use it between compiles of megatrain models."""
+    """torch._dynamo.reset(), keeping megatrain's compile callbacks (which Dynamo's reset drops:
+    compile_start.py): use it between compiles of megatrain models."""
     import torch
     torch._dynamo.reset()
     compile_start.register()
@@ -26,6 +26,6 @@ def reset() -> None:
 __all__ = [
     "reset", "megatrain_backend", "stats", "Options", "master_weight", "HostAdamW",
     "MegatrainError", "UnsupportedModelError", "GraphBreakError", "ConfigError", "ResidencyError", "CannotFitError",
-    "TrainingError",
+    "TrainingError", "InternalError",
 ]
 __version__ = "0.1.0"

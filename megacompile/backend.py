@@ -328,7 +328,7 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     (plan, inspect): compile to the artifacts (`Program.compiled`) without building the runtime."""
     opts = Options.from_mapping(options)   # (disable_passes checked there: check_pipelines, before any work)
     compile_start.register()  # again: torch._dynamo.reset() drops it
-    capture, params = capture_inputs(gm, example_inputs)
+    capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})})
     if runtime:
         compile_start.late(capture.root, opts.attention)
     program = Program(capture, params, opts, runtime=runtime)

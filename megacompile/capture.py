@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+from pathlib import Path
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -18,7 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from .errors import GraphBreakError, UnsupportedModelError
+from .errors import GraphBreakError, InternalError, UnsupportedModelError
 
 #: Group ids: 0 = weights used before the first decoder layer (embeddings), 1..N = decoder
 #: layers, N+1 = weights used after the last layer (final norm, LM head).
@@ -253,14 +254,40 @@ def _break_site(model: nn.Module) -> tuple[str, str, str]:
     return reason, site, place
 
 
-def raise_graph_break(model: nn.Module, reason=None) -> None:
+def raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None) -> None:
+    """Raise the error for a graph break in `model`: the user's GraphBreakError saying what to
+    change, or an InternalError (`facts`: the compile's, for the report) when the break is in
+    something megatrain prepared."""
     try:
-        _raise_graph_break(model, reason)
+        _raise_graph_break(model, reason, facts)
     finally:
         _mark_records_read()
 
 
-def _raise_graph_break(model: nn.Module, reason=None) -> None:
+#: Dynamo's reason for wrapping a tensor whose .grad has another dtype
+GRAD_DTYPE_BREAK = "dtype mismatch between tensor and its gradient"
+
+
+def _our_source_dirs() -> tuple[Path, ...]:
+    """The folders of megatrain's own Python files (front end, passes, runtime)."""
+    from . import passes, runtime
+    return tuple(Path(d).resolve() for m in (sys.modules[__package__], passes, runtime) for d in m.__path__)
+
+
+def _megatrain_made(why: str, site: str) -> str | None:
+    """What megatrain made that a graph break is in, or None when it is in the user's model."""
+    if GRAD_DTYPE_BREAK in why:
+        from . import compile_start
+        if compile_start.prepared_this_compile():   # (else the user's torch._dynamo.reset() dropped the callbacks)
+            return ("a low-precision parameter whose fp32 gradient megatrain keeps on it (the compile-start callback "
+                    "should have lifted it for the trace: megacompile/compile_start.py)")
+    file = site.rsplit(":", 1)[0] if site else ""
+    if file and any(Path(file).resolve().is_relative_to(d) for d in _our_source_dirs()):
+        return f"megatrain's own code ({site})"
+    return None
+
+
+def _raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None) -> None:
     if reason is not None and getattr(reason, "user_stack", None):
         frame = reason.user_stack[-1]
         why = str(getattr(reason, "reason", "")).split("\n")[0]
@@ -295,6 +322,18 @@ def _raise_graph_break(model: nn.Module, reason=None) -> None:
             "config asks for them: set e.g. model.config.output_router_logits = True instead of passing the flag "
             "in the call, or run the model once eagerly before compiling it (e.g. one forward under "
             "torch.no_grad()); after a failed compile also call torch._dynamo.reset().")
+    ours = _megatrain_made(why, site)
+    if ours is not None:
+        dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+        raise InternalError(f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
+                            f"{' at ' + site if site else ''} ({why}), in {ours}",
+                            {"model": type(model).__name__, "dtypes": ",".join(dtypes), **(facts or {})})
+    if GRAD_DTYPE_BREAK in why:
+        raise GraphBreakError(
+            f"Dynamo could not capture {type(model).__name__} as one graph ({why}{' at ' + site if site else ''}): "
+            "torch._dynamo.reset() dropped megatrain's compile callbacks, which keep the fp32 gradients of bf16/fp16 "
+            "weights out of Dynamo's way while it traces. Call megacompile.reset() instead of torch._dynamo.reset() "
+            "(or megacompile.compile_start.register() after it).")
     raise GraphBreakError(
         f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
         f"{' at ' + site if site else ''} ({why}). megatrain needs the whole forward in one graph to schedule "
@@ -314,20 +353,21 @@ def _layer_group(name: str, prefix: str) -> int | None:
     return int(m.group(1)) + 1 if m else None
 
 
-def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], facts: dict | None = None
                    ) -> tuple[ModelCapture, dict[int, nn.Parameter]]:
     """Map each graph input to its role, name and weight group; also return the parameters
-    by flat index (for the weight store, which holds them weakly)."""
+    by flat index (for the weight store, which holds them weakly). `facts`: what a bug report of
+    a graph break megatrain caused should say (the compile options)."""
     top = compiled_model_in_stack()
     if top is not None:
         check_model(top, training=False, use_cache=False)
     params_here = any(isinstance(t, nn.Parameter) for t in example_inputs)
     root = find_root_module(example_inputs) if params_here or top is None else None
     if top is not None and root is not top:
-        raise_graph_break(top)  # Dynamo is compiling a frame nested inside the model
+        raise_graph_break(top, facts=facts)  # Dynamo is compiling a frame nested inside the model
     reason = _compile_reason()
     if getattr(reason, "graph_break", False):
-        raise_graph_break(root, reason)
+        raise_graph_break(root, reason, facts)
     f_locals = _current_frame_locals() or {}
     check_model(root, training=root.training and torch.is_grad_enabled(),
                 use_cache=_effective_use_cache(root, f_locals))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, MegatrainError
+from .errors import ConfigError, InternalError, MegatrainError, megatrain_error_in
 from .log import console
 
 #: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
@@ -302,21 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _megatrain_error(e: BaseException) -> MegatrainError | None:
-    """The MegatrainError behind `e`: itself, the error Dynamo wrapped (`inner_exception` of
-    BackendCompilerFailed) or one in its chain of causes (`__cause__`/`__context__`)."""
-    seen, todo = set(), [e]
-    while todo:
-        err = todo.pop(0)
-        if err is None or id(err) in seen:
-            continue
-        seen.add(id(err))
-        if isinstance(err, MegatrainError):
-            return err
-        todo += [getattr(err, "inner_exception", None), err.__cause__, err.__context__]
-    return None
-
-
 def _one_line(message: str) -> str:
     return " ".join(line.strip() for line in str(message).splitlines() if line.strip())
 
@@ -358,7 +343,10 @@ def main(argv=None) -> int:
         print("megatrain: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception as e:
-        error = _megatrain_error(e)
+        error = megatrain_error_in(e)
+        if isinstance(error, InternalError):   # (ours, recognised: the facts of a report, no traceback)
+            print(f"megatrain: internal error: {_one_line(error)}", file=sys.stderr)
+            return EXIT_INTERNAL
         if error is not None:
             print(f"megatrain: error: {_one_line(error)}", file=sys.stderr)
             return getattr(error, "exit_code", EXIT_USAGE)

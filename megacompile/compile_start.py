@@ -90,6 +90,7 @@ class LiftedGrads:
 
     def __init__(self) -> None:
         self._held: list[tuple[weakref.ref, torch.Tensor]] = []
+        self.active = False   # a compile that began with the start callback is in progress
 
     def lift(self, model: torch.nn.Module) -> int:
         """Take off every gradient of `model` whose dtype is not its parameter's; returns how many."""
@@ -114,6 +115,7 @@ _LIFTED = LiftedGrads()   # (Dynamo runs one compile at a time: its callbacks pa
 
 
 def _on_compile_start(_args) -> None:
+    _LIFTED.active = True
     compiled = outermost_compiled_module()
     wrapper = _megatrain_wrapper(compiled) if compiled is not None else None
     if wrapper is not None:
@@ -123,14 +125,14 @@ def _on_compile_start(_args) -> None:
 
 
 def _on_compile_end(_args) -> None:
+    _LIFTED.active = False
     _LIFTED.restore()
 
 
-def registered() -> bool:
-    """Whether both callbacks are registered (torch._dynamo.reset() drops them)."""
-    handler = getattr(torch._dynamo, "callback_handler", None)
-    return (handler is not None and _on_compile_start in handler.start_callbacks
-            and _on_compile_end in handler.end_callbacks)
+def prepared_this_compile() -> bool:
+    """Whether the compile in progress began with megatrain's start callback (a compile right
+    after torch._dynamo.reset() did not: the backend registers the callbacks again only then)."""
+    return _LIFTED.active
 
 
 def register() -> None:

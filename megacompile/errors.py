@@ -4,7 +4,8 @@ The command line maps them to exit codes (README, "Errors"):
     2  MegatrainError (a usage, config, data, model or checkpoint error: the message says what to change)
     3  CannotFitError (the run does not fit the machine: host RAM or device memory)
     4  TrainingError (training ran but failed: diverged, non-finite weights, trained nothing)
-    1  anything else: an internal error (a bug; the traceback is printed)
+    1  InternalError (a failure megatrain diagnosed as its own: one line with the facts to report)
+       and anything else: an internal error (a bug; the traceback is printed)
 """
 
 
@@ -45,3 +46,47 @@ class TrainingError(MegatrainError):
     """Training started but failed: it diverged, made non-finite weights, or trained nothing."""
 
     exit_code = 4
+
+
+class InternalError(MegatrainError):
+    """A failure of megatrain's own making that it recognised, e.g. a graph break inside what
+    megatrain prepared (a parameter it keeps an fp32 gradient for, its attention, its hooks):
+    never the user's to fix. The message says so and carries the facts of a bug report;
+    `with_facts` adds the caller's (the trainer's step and micro-batch)."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, facts: dict | None = None):
+        self.what, self.facts = what, dict(facts or {})
+        super().__init__(str(self))
+
+    def with_facts(self, **facts) -> "InternalError":
+        return InternalError(self.what, {**self.facts, **facts})
+
+    def __str__(self) -> str:
+        import platform
+
+        import torch
+        try:
+            import transformers
+            versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+        except ImportError:  # pragma: no cover
+            versions = f"torch {torch.__version__}"
+        facts = "; ".join(f"{k}: {v}" for k, v in self.facts.items())
+        return (f"{self.what}. This is a megatrain bug, not a problem with your model or config: please report it "
+                f"with these facts ({facts}{'; ' if facts else ''}{versions}, Python {platform.python_version()}).")
+
+
+def megatrain_error_in(e: BaseException) -> MegatrainError | None:
+    """The MegatrainError behind `e`: itself, the error Dynamo wrapped (`inner_exception` of
+    BackendCompilerFailed) or one in its chain of causes (`__cause__`/`__context__`)."""
+    seen, todo = set(), [e]
+    while todo:
+        err = todo.pop(0)
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, MegatrainError):
+            return err
+        todo += [getattr(err, "inner_exception", None), err.__cause__, err.__context__]
+    return None

@@ -31,7 +31,7 @@ import torch
 
 from .. import distributed, log as logs, vlm
 from ..distributed import SINGLE, Topology, agree, all_sum
-from ..errors import ConfigError, TrainingError
+from ..errors import ConfigError, InternalError, TrainingError, megatrain_error_in
 from ..runtime.adamw import HostAdamW, Overlap
 from ..runtime.state_tier import StateTier
 from ..runtime.tier_io import TierIOError
@@ -432,7 +432,14 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             loss = 0.0
             for i, mb in enumerate(micro):
                 # sum over tokens / the step's trained tokens: accumulation gives the mean over the step
-                out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
+                try:
+                    out_mb = cmodel(**mb, num_items_in_batch=count, use_cache=False)
+                except Exception as e:   # (one of ours it recognised: the report says where in the run)
+                    internal = _internal(e)
+                    if internal is None:
+                        raise
+                    raise internal.with_facts(step=state["step"] + 1, micro_batch=f"{i + 1} of {len(micro)}",
+                                              shape="x".join(map(str, mb["input_ids"].shape))) from None
                 if i == 0:   # every weight has been fetched, so the last step's updates are all done
                     _check_weights(optimizer, names, state["step"], out, topo)
                 if i == len(micro) - 1:
@@ -522,6 +529,12 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
             if stop_at_step is not None and state["step"] >= stop_at_step:
                 break
     return ran, skipped
+
+
+def _internal(e: Exception) -> InternalError | None:
+    """The InternalError behind `e` (Dynamo wraps the backend's errors), if it is one."""
+    found = megatrain_error_in(e)
+    return found if isinstance(found, InternalError) else None
 
 
 def _epoch(state: dict, steps_per_epoch: int | None, order) -> float:
