@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConfigError, InternalError, MegatrainError, megatrain_error_in
+from .errors import ConfigError, InternalError, megatrain_error_in
 from .log import console
 
 #: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
