@@ -116,6 +116,26 @@ def test_lora_under_two_ranks_trains_like_one_process(models, tmp_path):
         torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_accumulation_under_two_ranks_trains_like_one_process(models, tmp_path):
+    """bf16 weights with fp32 masters and 2 micro-batches a step: the second micro-batch's new
+    length makes Dynamo recompile while the first one's fp32 gradient (the node's shared one) is
+    on the bf16 parameters (issue 28's break). 2 ranks x batch 1 == 1 process x batch 2, within
+    bf16's rounding (each rank's bf16 gradient is rounded before the fp32 reduce-scatter)."""
+    kw = dict(torch_dtype="bfloat16", gradient_accumulation_steps=2, max_steps=2, lr_scheduler_type="constant")
+    ref = tmp_path / "one"
+    train(from_mapping(_config(models["llama"], ref, 2, False, **kw)), progress=False)
+    dp = tmp_path / "two"
+    _torchrun_train(_config(models["llama"], dp, 1, False, **kw), tmp_path / "two.yaml")
+    ours, theirs = _rows(dp), _rows(ref)
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2]
+    for r, s in zip(theirs, ours):
+        assert s["loss"] == pytest.approx(r["loss"], rel=1e-2) and s["trained_tokens"] == r["trained_tokens"]
+    a = checkpoint.load_file(str(ref / "checkpoint-2" / "model.safetensors"))
+    b = checkpoint.load_file(str(dp / "checkpoint-2" / "model.safetensors"))
+    diff = torch.cat([(a[n].float() - b[n].float()).abs().flatten() for n in a])
+    assert diff.max() <= 2 * 2 * 1e-3 and diff.mean() < 1e-4, (diff.max(), diff.mean())
+
+
 def test_two_nodes_replicate_and_train_like_one_process(models, tmp_path):
     """HSDP: 2 torchrun agents on this box as 2 nodes of 1 rank (each node its own shared state):
     each node's gradient parts are all-reduced across the nodes, so the replicas stay equal and
