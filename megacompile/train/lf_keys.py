@@ -38,7 +38,8 @@ _PROFILER = "megatrain inspect --format chrome-trace shows the step's schedule i
 
 NOTED: dict[str, str] = {
     **dict.fromkeys(("deepspeed", "ddp_backend", "ddp_find_unused_parameters", "ddp_bucket_cap_mb",
-                     "ddp_broadcast_buffers", "ddp_static_graph", "fsdp", "fsdp_config", "local_rank",
+                     "ddp_broadcast_buffers", "ddp_static_graph", "fsdp", "fsdp_config",
+                     "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "local_rank",
                      "log_on_each_node", "save_on_each_node", "accelerator_config", "parallelism_config",
                      "log_level_replica", "ray_num_workers", "ray_init_kwargs",
                      "master_addr", "master_port", "data_shared_file_system", "hyper_parallel_args",

@@ -132,9 +132,9 @@ class ModelSource:
         return AutoModelForImageTextToText if self.is_vlm else AutoModelForCausalLM
 
     def meta_model(self) -> torch.nn.Module:
-        """The model's architecture on the meta device (no memory), in the dtype it will train in."""
-        if self._model is not None:
-            return self._model
+        """The model's architecture on the meta device (no memory), in the dtype it will train in
+        (a new one each call, also for the embedded model: the preflight applies the fine-tuning
+        method to it, and load() must return the model without it)."""
         with torch.device("meta"):
             model = self._auto().from_config(self.hf_config, dtype=self.dtype,
                                              trust_remote_code=self.config.trust_remote_code)

@@ -102,6 +102,11 @@ class Registry(Mapping):
 def load_registry(dataset_dir: str | Path, names: Iterable[str] | None = None) -> Registry:
     """The registry of `dataset_dir`. The entries in `names` (all of them when None) are checked
     now: a DataError names the first bad one; the others are checked only if looked up."""
+    if str(dataset_dir).startswith("REMOTE:"):   # (LLaMA-Factory reads the registry from a Hub repo)
+        repo = str(dataset_dir)[len("REMOTE:"):]
+        raise DataError(f"dataset_dir: {dataset_dir} (LLaMA-Factory's registry in the Hub repo {repo}) is not "
+                        f"supported: download the repo (huggingface-cli download --repo-type dataset {repo} "
+                        "--local-dir DIR) and set dataset_dir: DIR.")
     path = Path(dataset_dir) / "dataset_info.json"
     if not path.is_file():
         raise DataError(f"{path} does not exist: dataset_dir must hold a dataset_info.json registry "
