@@ -5,6 +5,7 @@ import argparse
 import errno
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -24,8 +25,18 @@ class Terminated(KeyboardInterrupt):
     released, and the checkpoints already written stay complete."""
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
+def _terminated_in(pid: int):
+    """The SIGTERM handler of process `pid`: raises Terminated there. A process forked from it
+    (datasets.map's worker pool while tokenizing) inherits the handler, but its parent ends it
+    with SIGTERM: there the signal does what it does by default, or the pool's workers turn it
+    into an exception and the parent waits for them forever."""
+    def handler(signum, frame):
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated()
+    return handler
 
 
 class UsageError(ConfigError):
@@ -316,12 +327,11 @@ def main(argv=None) -> int:
     (a bug: traceback + one `megatrain: internal error:` line), 2 a user error (one
     `megatrain: error:` line saying what to change), 3 it cannot fit the machine, 4 training
     failed, 130 interrupted."""
-    import signal
     import threading
     import traceback
     previous = None
     if threading.current_thread() is threading.main_thread():   # (signal handlers live in the main thread)
-        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+        previous = signal.signal(signal.SIGTERM, _terminated_in(os.getpid()))
     try:
         parser = build_parser()
         try:

@@ -193,3 +193,18 @@ def test_the_gradient_worker_leaves_the_thread_counts_alone():
         assert megacompile.stats(cmodel)["compiled_graphs"] == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_which_breaks_are_megatrain_s_own():
+    """A break in megatrain's own files is its bug; one in the model's code is the user's to see;
+    a gradient-dtype break is megatrain's only when its callbacks prepared the compile."""
+    from pathlib import Path
+
+    from megacompile import capture
+    ours = Path(capture.__file__).with_name("attention.py")
+    assert "megatrain's own code" in capture._megatrain_made("Unsupported function call", f"{ours}:40")
+    runtime = Path(capture._our_source_dirs()[-1]) / "executor.py"
+    assert capture._megatrain_made("data dependent operator", f"{runtime}:10") is not None
+    transformers = Path(torch.__file__).parents[1] / "transformers" / "models" / "llama" / "modeling_llama.py"
+    assert capture._megatrain_made("Unsupported function call", f"{transformers}:67") is None
+    assert capture._megatrain_made(capture.GRAD_DTYPE_BREAK, f"{transformers}:67") is None   # (no compile running)

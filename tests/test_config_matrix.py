@@ -268,3 +268,21 @@ def test_refused_combinations_stop_at_preflight_with_one_line(name, matrix, tmp_
     assert code == 2 and len(lines) == 1 and lines[0].startswith("megatrain: error:"), err[-2000:]
     assert message in lines[0], lines[0]
     assert not (tmp_path / "out").exists()   # no step ran, no run was left behind
+
+
+def test_a_break_of_ours_in_a_run_is_reported_as_our_bug(matrix, tmp_path, own_cache, capsys, monkeypatch):
+    """The row of issue 28 with the gradient lifting switched off: the run stops at the recompile
+    with exit 1 and one line that calls it megatrain's bug and says where in the run it was."""
+    from megacompile import compile_start
+    monkeypatch.setattr(compile_start.LiftedGrads, "lift", lambda self, model: 0)
+    model, data = matrix
+    cfg = row_config(LF_EXAMPLE, model, data, tmp_path / "out")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**cfg, "max_steps": 3}))
+    code = main(["train", str(tmp_path / "c.yaml"), "--no-progress"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("megatrain:")]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("megatrain: internal error:"), err[-2000:]
+    for fact in ("This is a megatrain bug", "model: LlamaForCausalLM", "dtypes: bfloat16", "step: ",
+                 "micro_batch: 2 of 2", "shape: 1x", "'logits': 'drop'"):
+        assert fact in lines[0], (fact, lines[0])
+    assert "Traceback" not in err and "replace the op" not in lines[0]

@@ -220,7 +220,8 @@ def _saved(tok, tmp_path) -> Path:
     return path
 
 
-def test_workers_give_the_same_examples(tmp_path, tok):
+def test_workers_give_the_same_examples(tmp_path, tok, monkeypatch):
+    monkeypatch.setattr(tokenize_cache, "RECORDS_PER_PROCESS", 1)   # (worker processes even for 24 records)
     one, counts1 = build_examples(cfg(EXAMPLES, dataset="alpaca_demo,sharegpt_demo", cutoff_len=48), tok)
     two, counts2 = build_examples(cfg(EXAMPLES, dataset="alpaca_demo,sharegpt_demo", cutoff_len=48,
                                       preprocessing_num_workers=2, overwrite_cache=True), tok)
@@ -232,6 +233,18 @@ def test_workers_give_the_same_examples(tmp_path, tok):
     (bad / "dataset_info.json").write_text(json.dumps({"x": {"file_name": "x.json"}}))
     with pytest.raises(DataError, match="no 'instruction' column"):
         build_examples(cfg(bad, dataset="x", preprocessing_num_workers=2), tok)
+
+
+def test_worker_processes_only_where_they_pay_off(monkeypatch):
+    """preprocessing_num_workers is a ceiling: a process per RECORDS_PER_PROCESS records and per
+    usable CPU (LLaMA-Factory's examples ask for 16 workers for a dozen records)."""
+    monkeypatch.setattr(tokenize_cache.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    per = tokenize_cache.RECORDS_PER_PROCESS
+    assert tokenize_cache._processes(16, 12) is None
+    assert tokenize_cache._processes(None, 10**6) is None and tokenize_cache._processes(1, 10**6) is None
+    assert tokenize_cache._processes(16, 3 * per) == 3
+    assert tokenize_cache._processes(16, 100 * per) == 8   # (the CPUs)
+    assert tokenize_cache._processes(4, 100 * per) == 4
 
 
 def test_tokenized_path_saves_then_loads_as_llamafactory(tmp_path, tok, capsys):

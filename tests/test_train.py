@@ -172,6 +172,8 @@ def test_accumulation_normalises_by_the_step_tokens(tiny_dir, tmp_path):
         torch.testing.assert_close(ma[name], mb[name], rtol=1e-4, atol=1e-6)
 
 
+# (CI: tests/test_config_matrix.py resumes every row of the matrix bit for bit, fp32 full ones among them)
+@pytest.mark.slow
 def test_resume_continues_like_the_uninterrupted_run(tiny_dir, tmp_path):
     full = config(tiny_dir, tmp_path / "full", max_steps=6, save_steps=3)
     train(full, progress=False)

@@ -281,6 +281,26 @@ def _say_unmapped(raw, attr: DatasetAttr, say) -> None:
             f"are): set columns: {{{', '.join(f'{c}: {c}' for c in unread)}}} there to use them.")
 
 
+#: records a tokenization process must have to be worth starting (a forked process costs about
+#: as much as tokenizing this many chat records in this one)
+RECORDS_PER_PROCESS = 2000
+
+
+def _processes(workers: int | None, records: int) -> int | None:
+    """datasets.map's num_proc for `records` records with preprocessing_num_workers `workers`:
+    at most one process per RECORDS_PER_PROCESS records and per CPU this process may use, None
+    (this process) below two. The result does not depend on it: each record is tokenized on its
+    own, and packing recomputes LLaMA-Factory's shards from `workers` itself (packing.py). Fewer
+    forks also mean fewer chances to fork a process that already runs threads (a second run in
+    one process forked 12 workers for LLaMA-Factory's 12-record mllm_demo with workers: 16, and
+    hung in one of them)."""
+    if not workers or workers < 2:
+        return None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = min(workers, cpus, records // RECORDS_PER_PROCESS)
+    return n if n >= 2 else None
+
+
 def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=None) -> None:
     """Loads, samples, tokenizes and mixes the data sets into `tmp` (see _save)."""
     say = say or _log.info
@@ -299,7 +319,7 @@ def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=N
         records[name] = len(raw)
         part = raw.map(encode_batch, batched=True, remove_columns=raw.column_names, features=features(),
                        fn_kwargs=dict(attr=attr, config=config, tokenizer=tokenizer, template=template, images=images),
-                       num_proc=workers if workers and workers > 1 and len(raw) > 1 else None,
+                       num_proc=_processes(workers, len(raw)),
                        new_fingerprint=f"{key}-{k}", cache_file_name=str(tmp / f"part-{k}.arrow"),
                        load_from_cache_file=False)
         parts.append(part)
