@@ -55,6 +55,38 @@ def test_cuda_bf16_model_keeps_fp32_masters():
     assert s["h2d_copies"] <= s["segments"]["forward"] + s["segments"]["backward"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_low_precision_accumulation_over_new_lengths(dtype):
+    """Issue 28 on CUDA: micro-batches of new lengths inside an accumulated step (Dynamo recompiles
+    with the step's fp32 gradients on the low-precision weights), the optimizer during the backward
+    as `megatrain train` runs it there; against an eager fp32-accumulating reference on the CPU."""
+    from test_accumulation import LR, STEPS, _Fp32Accumulating, _inputs
+    model = tiny_model("llama", layers=2, dtype=dtype)
+    ref = _Fp32Accumulating(copy.deepcopy(model))
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cuda"})
+    opt = megacompile.HostAdamW(model.parameters(), lr=LR, weight_decay=0.01, overlap="backward")
+    seed, ours, theirs = 0, [], []
+    for micro in STEPS:
+        for k, (rows, length) in enumerate(micro):
+            seed += 1
+            loss = cmodel(**_inputs(rows, length, seed)).loss
+            if k == len(micro) - 1:   # (as the trainer: the last micro-batch's updates start as gradients land)
+                opt.arm()
+            loss.backward()
+            ours.append(loss.item())
+            theirs.append(ref.micro(**_inputs(rows, length, seed)))
+        norm = opt.grad_norm()
+        opt.step(grad_scale=min(1.0, 0.5 / (norm + 1e-6)))
+        assert norm == pytest.approx(ref.step(0.5), rel=3e-2)
+        opt.zero_grad(set_to_none=True)
+    opt.synchronize()
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1.6e-2, atol=1e-2)
+    diff = torch.cat([(megacompile.master_weight(p) - m).abs().flatten() for p, m in
+                      zip(model.parameters(), ref.masters)])
+    assert diff.max() <= 2 * len(STEPS) * LR and diff.mean() < 5e-5, (diff.max(), diff.mean())
+    assert megacompile.stats(cmodel)["compiled_graphs"] == 2
+
+
 def test_cuda_optimizer_during_the_backward_is_exact():
     """HostAdamW(overlap="backward") with the gradient copies on their own stream: updates that
     start while the GPU runs the earlier layers' backward equal the plain step's, kept (no
