@@ -31,6 +31,20 @@ def chatml_tokenizer():
     tok.chat_template = CHATML
     return tok
 
+def save_tiny_llama(path, tok, max_positions: int = 512) -> Path:
+    """Save `tok` and a seeded 2-layer Llama sized to it into `path`, as a Hub checkpoint folder is laid out."""
+    from transformers import LlamaForCausalLM
+
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    ids = {k: v for k, v in (("eos_token_id", tok.eos_token_id), ("pad_token_id", tok.pad_token_id),
+                             ("bos_token_id", tok.bos_token_id)) if v is not None}
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions, **ids)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return Path(path)
+
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # the README's command runs the suite on 2 pytest-xdist workers, one per core: one thread
     # each (and in the `megatrain train` processes tests start), so they do not oversubscribe

@@ -88,20 +88,13 @@ def matrix(tmp_path_factory) -> tuple[Path, Path]:
     """(model folder, data folder): a 2-layer Llama whose byte-level BPE tokenizer knows ChatML's
     and Llama 3's special tokens and carries the custom Jinja template; the example records for
     sft and, for pt, every example text as a line (enough text for packed 48-token blocks)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import chatml_tokenizer
+    from conftest import chatml_tokenizer, save_tiny_llama
     root = tmp_path_factory.mktemp("matrix")
     model, data = root / "model", root / "data"
     tok = chatml_tokenizer()
     tok.chat_template = JINJA
     tok.add_special_tokens({"additional_special_tokens": LLAMA3_TOKENS})
-    tok.save_pretrained(model)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(model)
+    save_tiny_llama(model, tok)
     data.mkdir()
     for name in ("alpaca_demo.json", "sharegpt_demo.jsonl"):
         shutil.copy(EXAMPLES / name, data / name)

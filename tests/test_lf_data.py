@@ -279,22 +279,16 @@ def test_data_of_only_malformed_conversations_says_so(smollm2_tokenizer_or_tiny,
 @pytest.fixture(scope="module")
 def tiny_chatml_model(tmp_path_factory) -> Path:
     """A tiny Llama with a ChatML byte-level BPE tokenizer trained on the reference records."""
-    import torch
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     path = tmp_path_factory.mktemp("tiny_chatml")
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([json.dumps(RECORDS)], vocab_size=500, min_frequency=1,
                             special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|im_end|>")
     tok.chat_template = CHATML
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    from conftest import save_tiny_llama
+    return save_tiny_llama(path, tok, max_positions=1024)
 
 
 def test_cli_trains_on_tool_calls_with_an_lf_template_and_refuses_unknown_names(tiny_chatml_model, tmp_path, capsys):

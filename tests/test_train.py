@@ -25,18 +25,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     """A tiny Llama and a ChatML byte-level BPE tokenizer, saved like a Hub checkpoint."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from conftest import chatml_tokenizer
-    path = tmp_path_factory.mktemp("tiny")
-    tok = chatml_tokenizer()
-    tok.save_pretrained(path)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return path
+    from conftest import chatml_tokenizer, save_tiny_llama
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), chatml_tokenizer())
 
 
 def config(tiny_dir, tmp_path, **kw):
