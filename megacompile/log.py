@@ -12,6 +12,7 @@ to the root logger (no double lines in an application that logs itself).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
@@ -51,3 +52,16 @@ def console(verbose: bool = False) -> logging.Logger:
     elif logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
     return logger
+
+
+@contextlib.contextmanager
+def quiet(name: str, when: bool = True):
+    """`megatrain.<name>` shows only warnings and errors inside the block (when `when`)."""
+    logger = get(name)
+    level = logger.level
+    if when:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -68,6 +68,13 @@ def _fmt(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _given(n: int) -> str:
+    """A size the user gave (the CLI's --host-ram keeps their spelling: cli.GivenBytes) in their
+    unit and in ours: "1T (931.32 GiB)"; a size they did not give, in ours."""
+    given = getattr(n, "given", None)
+    return f"{given} ({_fmt(n)})" if given else _fmt(n)
+
+
 # -- host store -----------------------------------------------------------------------------
 
 @dataclass
@@ -442,16 +449,16 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     _, kinds = layer_kinds(model, config)
     del model
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, options) for b in (2, 4)]
-    m = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
-
     if device_type == "cpu":  # the CPU plays the device: its bytes come out of the same RAM
         capacity = max(0, host_ram - host.total)
     else:
         capacity = int(hardware.device_memory_gib * GiB * (1 - DEVICE_RESERVE_FRACTION)) - DEVICE_RESERVE_BYTES
     capacity = max(0, capacity - vision_bytes)   # a VLM's vision side stays on the device
+    _check_floor(config, seq, dtype, capacity, source)   # (before the compile: seconds, not minutes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, options) for b in (2, 4)]
+    m = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
 
     # layer checkpoints on the host when batch 1 does not fit with them on the device (what the
     # backend's offload_checkpoints="auto" does under a device budget)
@@ -546,6 +553,25 @@ def _plus(seconds: float | None, more: float) -> float | None:
     return None if seconds is None else seconds + more
 
 
+def _check_floor(config, seq: int, dtype: torch.dtype, capacity: int, source) -> None:
+    """Refuse, before any compile, a sequence whose layer boundary alone cannot fit: a decoder
+    layer's input and output hidden states ([seq, hidden] each) are on the device together
+    whatever is tiled or offloaded. (The compile of a 100M-token plan would unroll thousands of
+    MLP tiles per layer and take minutes to say the same.)"""
+    hidden = getattr(config.get_text_config(decoder=True), "hidden_size", None)
+    if not isinstance(hidden, int) or hidden < 1:
+        return
+    floor = 2 * seq * hidden * dtype.itemsize
+    if floor > capacity:
+        longest = max(0, capacity // (2 * hidden * dtype.itemsize))
+        name = source if isinstance(source, str) else type(config).__name__
+        raise CannotPlanError(f"{name} at seq {seq}: the two hidden states at a layer boundary alone need "
+                              f"{_fmt(floor)} ([{seq}, {hidden}] x 2, {dtype}), more than the {_fmt(capacity)} of "
+                              f"usable device memory, whatever is tiled or offloaded. Sequences shorter than "
+                              f"{longest} tokens have room to be planned: try a shorter --seq, or a device with "
+                              "more memory.")
+
+
 def _mlp_tiles(config, options: dict, tokens: int) -> int:
     """The MLP tile count a run at a sequence of `tokens` gets (passes/tile_mlp.py)."""
     from .passes.tile_mlp import auto_tiles
@@ -563,7 +589,7 @@ def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
     if need > plan.host_ram:
         plan.problems.append(
             f"host RAM: the store needs {_fmt(need)} ({need / max(1, plan.model['parameters']):.1f} B/param) but "
-            f"{_fmt(plan.host_ram)} is available: add at least {_fmt(need - plan.host_ram)} of host RAM "
+            f"{_given(plan.host_ram)} is available: add at least {_fmt(need - plan.host_ram)} of host RAM "
             f"(--host-ram {math.ceil(need / 1e9)}G), {_nvme_advice(plan)}or train a smaller model.")
     if plan.host.ssd_total and plan.ssd_capacity and plan.host.ssd_total > plan.ssd_capacity:
         plan.problems.append(
@@ -584,7 +610,7 @@ def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
         b = min(plan.batches, key=lambda b: b.batch)
         plan.problems.append(
             f"host RAM: batch {b.batch} at --seq {plan.seq} keeps {_fmt(b.host_checkpoint_bytes)} of layer checkpoints "
-            f"on the host beside the store's {_fmt(need)}, but {_fmt(plan.host_ram)} is available: add host RAM "
+            f"on the host beside the store's {_fmt(need)}, but {_given(plan.host_ram)} is available: add host RAM "
             f"(--host-ram {math.ceil((need + b.host_checkpoint_bytes) / 1e9)}G) or use a shorter --seq.")
     elif plan.requested_batch and plan.requested_batch > plan.max_batch:
         plan.problems.append(
@@ -621,7 +647,7 @@ def to_text(plan: Plan) -> str:
              f"  gradients (fp32)        {_fmt(h.grads):>12}",
              *([f"  NVMe bounce buffers     {_fmt(h.tier_pool):>12}"] if h.tier_pool else []),
              f"  process overhead        {_fmt(h.process_overhead):>12}",
-             f"  total                   {_fmt(h.total):>12}   of {_fmt(plan.host_ram)} "
+             f"  total                   {_fmt(h.total):>12}   of {_given(plan.host_ram)} "
              f"({'fits' if h.total <= plan.host_ram else 'DOES NOT FIT'})",
              f"  of which pinned         {_fmt(h.pinned):>12}",
              *([f"  layer checkpoints       {_fmt(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "

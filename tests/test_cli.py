@@ -418,3 +418,17 @@ def test_inspect_writes_the_checked_output(config_json, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["model"]["dtype"] == "bfloat16" and report["model"]["layers"] == 2
     assert "wrote" in capsys.readouterr().err
+
+
+def test_plan_says_host_ram_in_the_users_unit_and_refuses_an_impossible_seq_at_once(config_json, capsys):
+    """--host-ram 1T is said back as "1T (931.32 GiB)"; a sequence whose layer boundary alone
+    exceeds the device is refused (exit 3) before the compile, which at 100M tokens would unroll
+    thousands of MLP tiles and take minutes."""
+    import time
+    assert main(["plan", str(config_json), "--gpu", "h100", "--host-ram", "1T", "--seq", "64"]) == 0
+    assert "of 1T (931.32 GiB)" in capsys.readouterr().out
+    start = time.perf_counter()
+    assert main(["plan", "llama-3-8b", "--gpu", "h200", "--host-ram", "1T", "--seq", "100000000"]) == 3
+    assert time.perf_counter() - start < 30   # (no compile: the meta model and one comparison)
+    line = error_line(capsys, "two hidden states at a layer boundary alone need")
+    assert "1.49 TiB" in line and "shorter --seq" in line

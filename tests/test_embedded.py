@@ -84,6 +84,41 @@ def test_chat_batches_train_on_responses_only(smollm2):
 
 
 @needs_model
+def test_chat_batches_trimmed_to_the_longest_chat(smollm2):
+    _, tok = smollm2
+    full = build_chat_batches(tok, SAMPLE_PAIRS, seq_len=128, batch_size=4)
+    trimmed = build_chat_batches(tok, SAMPLE_PAIRS, seq_len=128, batch_size=4, trim=True)
+    longest = max(int(b["attention_mask"].sum(1).max()) for b in full)
+    width = trimmed[0]["input_ids"].shape[1]
+    assert width % 8 == 0 and longest <= width < longest + 8 and width < 128
+    for a, b in zip(full, trimmed):   # the same rows, less padding
+        assert torch.equal(a["input_ids"][:, :width], b["input_ids"])
+        assert torch.equal(a["labels"][:, :width], b["labels"])
+        assert (a["labels"][:, width:] == -100).all()
+
+
+@needs_model
+def test_quickstart_shows_the_compile_stages_a_stats_table_and_warns_about_a_cut_model(capsys):
+    """examples/quickstart.py as the README runs it (2 layers, 2 steps): the first step's compile
+    stages are printed as they happen, the stats are a short table, and a truncated model's
+    answer comes with the warning that it is nonsense."""
+    import runpy
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+    quickstart = runpy.run_path(str(script))
+    quickstart["main"](["--layers", "2", "--steps", "2", "--max-new-tokens", "4"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    stages = [i for i, line in enumerate(lines) if line.startswith("[megatrain]")]
+    first_step = next(i for i, line in enumerate(lines) if line.startswith("step    1"))
+    assert stages and stages[0] < first_step and "compiling LlamaForCausalLM" in lines[stages[0]]
+    assert any("compiled in" in lines[i] for i in stages)
+    assert "megacompile.stats() of the last step:" in out and "peak device memory" in out
+    assert max(len(line) for line in lines) < 200   # (no 1,000-character dict)
+    assert "answers nonsense" in lines[-1]
+
+
+@needs_model
 def test_num_layers_is_validated():
     with pytest.raises(ValueError, match="num_layers"):
         load_smollm2(num_layers=0)

@@ -136,6 +136,77 @@ def test_overwrite_deletes_nothing_until_training_starts(finished, tiny_dir, tmp
     assert [p.name for p in checkpoint.checkpoints(out)] == ["checkpoint-1"] and len(log_rows(out)) == 1
 
 
+def digests(folder: Path) -> dict[str, str]:
+    """Every file under `folder` by relative path, with its SHA-256 (before/after comparisons)."""
+    import hashlib
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_never_replaces_another_models_files(finished, tiny_dir, tmp_path, capsys):  # noqa: F811
+    """output_dir holding a copy of a Hugging Face model (not the one trained) and the user's
+    notes: overwrite_output_dir refuses, naming the files the export would replace; nothing moves."""
+    out = tmp_path / "out"
+    shutil.copytree(tiny_dir, out)
+    (out / "notes.md").write_text("mine")
+    before = digests(out)
+    cfg = yaml_config(tmp_path, tiny_dir, overwrite_output_dir=True, max_steps=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert "config.json" in line and "model.safetensors" in line and "no megatrain run wrote" in line
+    assert digests(out) == before
+    # an HF Trainer's checkpoint-N (trainer_state.json, no megatrain trainer.json) is not ours either
+    other = tmp_path / "hf_run"
+    (other / "checkpoint-500").mkdir(parents=True)
+    (other / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    cfg = yaml_config(tmp_path, tiny_dir, output_dir=str(other), overwrite_output_dir=True, max_steps=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    assert "checkpoint-500" in one_error_line(capsys) and (other / "checkpoint-500" / "trainer_state.json").exists()
+    # an export file the user replaced since (its size differs from the manifest's) is theirs now
+    done = copy_of(finished, tmp_path / "again")
+    (done / "config.json").write_text('{"mine": true}')
+    before = digests(done)
+    with pytest.raises(ConfigError, match="holds config.json, which no megatrain run wrote"):
+        train(config(tiny_dir, tmp_path / "again", overwrite_output_dir=True, max_steps=1), progress=False)
+    assert digests(done) == before
+
+
+def test_overwrite_never_deletes_what_the_run_reads(finished, tiny_dir, tmp_path, capsys):  # noqa: F811
+    """model_name_or_path = OUT/checkpoint-2 and output_dir = OUT with overwrite_output_dir: the
+    starting weights would be deleted at the first step; refused before anything is touched."""
+    out = copy_of(finished, tmp_path)
+    before = digests(out)
+    cfg = yaml_config(tmp_path, tiny_dir, model_name_or_path=str(out / "checkpoint-2"), overwrite_output_dir=True,
+                      max_steps=1)
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert "would delete" in line and "checkpoint-2" in line and "model_name_or_path" in line
+    assert digests(out) == before
+
+
+def test_output_dir_as_the_data_folder_keeps_every_data_file(tiny_dir, tmp_path):  # noqa: F811
+    data = tmp_path / "data"
+    shutil.copytree(EXAMPLES, data)
+    before = digests(data)
+    train(config(tiny_dir, tmp_path, dataset_dir=str(data), output_dir=str(data), overwrite_output_dir=True,
+                 max_steps=1), progress=False)
+    after = digests(data)
+    assert {k: after.get(k) for k in before} == before and (data / "model.safetensors").is_file()
+
+
+def test_a_folder_whose_run_saved_nothing_does_not_block_the_same_command(tiny_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOG_NAME).write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")   # trained a step, saved nothing
+    (out / "notes.md").write_text("mine")
+    with pytest.raises(ConfigError, match="not empty and holds no megatrain run \\(notes.md\\)"):
+        train(config(tiny_dir, tmp_path, max_steps=1), progress=False)   # (foreign files still refuse)
+    (out / "notes.md").unlink()
+    train(config(tiny_dir, tmp_path, max_steps=1), progress=False)
+    (retired,) = (out / "retired").iterdir()
+    assert json.loads((retired / LOG_NAME).read_text())["loss"] == 2.0 and len(log_rows(out)) == 1
+
+
 def test_one_run_per_output_dir(tiny_dir, tmp_path):  # noqa: F811
     out = tmp_path / "out"
     out.mkdir()
@@ -333,6 +404,54 @@ def test_a_truncated_checkpoint_file_is_named_and_the_previous_one_offered(finis
     assert (retired / "checkpoint-4" / name).is_file()
 
 
+def _edit_trainer(ckpt: Path, **changes) -> None:
+    meta = json.loads((ckpt / "trainer.json").read_text())
+    for key, value in changes.items():
+        target = meta
+        *path, last = key.split("__")
+        for part in path:
+            target = target[part]
+        target[last] = value
+    (ckpt / "trainer.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["step", "folder", "optimizer"])
+def test_a_checkpoint_whose_parts_disagree_is_refused(finished, tiny_dir, tmp_path, capsys, damage):  # noqa: F811
+    """trainer.json's step against the folder's name, its own state and scheduler, and AdamW's
+    step count in optimizer.pt: a mixed-up checkpoint is refused (exit 2), never reported as a
+    finished run that trained nothing."""
+    out = copy_of(finished, tmp_path)
+    ckpt = out / "checkpoint-4"
+    if damage == "step":      # (the state and the scheduler say 4 still)
+        _edit_trainer(ckpt, step=9)
+        expected = "its step is 9 but the folder's name says 4"
+    elif damage == "folder":
+        ckpt = ckpt.rename(out / "checkpoint-9")
+        expected = "its step is 4 but the folder's name says 9"
+    else:                     # checkpoint-2's optimizer state in checkpoint-4
+        shutil.copy(out / "checkpoint-2" / "optimizer.pt", ckpt / "optimizer.pt")
+        _rewrite_sizes(ckpt)
+        expected = "AdamW state took 2 steps where trainer.json says 4"
+    before = digests(out)
+    cfg = yaml_config(tmp_path, tiny_dir, max_steps=4, resume_from_checkpoint=str(ckpt))
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert expected in line and "damaged" in line, line
+    assert digests(out) == before
+
+
+def test_a_data_file_that_is_a_symlink_loop_is_the_users_error(tiny_dir, tmp_path, capsys):  # noqa: F811
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.json").symlink_to(data / "b.json")
+    (data / "b.json").symlink_to(data / "a.json")
+    (data / "dataset_info.json").write_text(json.dumps({"loop": {"file_name": "a.json"}}))
+    cfg = yaml_config(tmp_path, tiny_dir, dataset="loop", dataset_dir=str(data))
+    assert main(["train", str(cfg), "--no-progress"]) == 2
+    line = one_error_line(capsys)
+    assert "a.json" in line and "leads back to itself" in line
+
+
 # -- resume with another config --------------------------------------------------------------------
 
 def test_resume_applies_safe_changes_and_refuses_the_others(finished, tiny_dir, tmp_path, capsys):  # noqa: F811
@@ -493,7 +612,10 @@ def test_a_run_that_failed_before_its_first_step_leaves_a_folder_that_is_still_a
     out = tmp_path / "out"
     assert (out / "runs").is_dir() and (out / LOG_NAME).exists()
     monkeypatch.undo()
-    with pytest.raises(ConfigError, match="already holds a run"):
-        train(config(tiny_dir, tmp_path, report_to="tensorboard"), progress=False)
-    train(config(tiny_dir, tmp_path, report_to="tensorboard", overwrite_output_dir=True, max_steps=1), progress=False)
+    # it saved nothing, so it is nothing to continue: the same command starts over (its runs/ retired)
+    with pytest.raises(ConfigError, match="stopped before it saved a checkpoint: there is nothing to resume"):
+        train(config(tiny_dir, tmp_path, report_to="tensorboard", resume_from_checkpoint=True), progress=False)
+    train(config(tiny_dir, tmp_path, report_to="tensorboard", max_steps=1), progress=False)
     assert len(log_rows(out)) == 1
+    (retired,) = (out / "retired").iterdir()
+    assert retired.name.endswith("-unsaved-run") and (retired / "runs").is_dir()

@@ -169,3 +169,38 @@ def test_custom_op_runs_the_kernel(dtype, monkeypatch):
     assert calls
     assert_matches(dh, dh_ref, dtype, "d_hidden")
     assert_matches(dw, dw_ref, dtype, "d_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("weight_pass", ["accumulate", "blocks"])
+def test_both_ways_to_the_weight_gradient_match_the_reference(dtype, weight_pass):
+    """Over row chunks with an fp32 accumulator, or in a pass of its own over vocabulary blocks
+    (few tokens: no [V, H] fp32 buffer), with ignored rows and both reductions."""
+    from megacompile.runtime.kernels.chunked_ce import loss_and_grads, torch_chunk
+    hidden, weight, labels = _inputs(40, 24, 210, dtype, seed=3, ignore_frac=0.3)
+    for reduction in ("mean", "sum"):
+        loss, dh, dw = loss_and_grads(hidden.detach(), weight.detach(), labels, reduction, -100, True, True,
+                                      torch_chunk, chunk_size=7, weight_pass=weight_pass)
+        ref = linear_cross_entropy_reference(hidden, weight, labels, reduction=reduction)
+        dh_ref, dw_ref = torch.autograd.grad(ref, (hidden, weight))
+        torch.testing.assert_close(loss, ref.detach(), rtol=LOSS_RTOL[dtype], atol=LOSS_RTOL[dtype])
+        assert_matches(dh, dh_ref, dtype, "d_hidden")
+        assert_matches(dw, dw_ref, dtype, "d_weight")
+
+
+def test_dropping_the_logits_never_costs_more_device_memory_than_keeping_them():
+    """The head's planned workspace at Llama-3-8B's shapes (V 128256, H 4096, bf16): with few
+    tokens the weight gradient takes its own pass (no fp32 [V, H] accumulator, 1.96 GiB), so the
+    fused op's workspace stays under the logits and their fp32 upcast that keeping them costs
+    (both produce the [V, H] weight gradient itself); with many tokens the accumulator is the
+    cheaper one and stays."""
+    from megacompile.ir_ops import DEFAULT_CHUNK_BYTES, chunk_rows, linear_cross_entropy_workspace, weight_grad_block
+    vocab, hidden = 128256, 4096
+    for tokens in (2048, 4096):
+        rows = chunk_rows(tokens, vocab, 2, None, DEFAULT_CHUNK_BYTES)
+        assert weight_grad_block(tokens, vocab, hidden, 2, rows, None, DEFAULT_CHUNK_BYTES) is not None
+        for triton in (True, False):
+            fused = linear_cross_entropy_workspace(tokens, vocab, hidden, torch.bfloat16, triton, True)
+            assert fused < tokens * vocab * (2 + 4) / 1.9, (tokens, triton)
+    rows = chunk_rows(65536, vocab, 2, None, DEFAULT_CHUNK_BYTES)
+    assert weight_grad_block(65536, vocab, hidden, 2, rows, None, DEFAULT_CHUNK_BYTES) is None

@@ -7,6 +7,7 @@ data/dataset_info.json (104 entries) is registry_dataset_info.json.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -182,9 +183,9 @@ def test_cache_hits_misses_and_invalidation(tmp_path, tok, cache, monkeypatch):
     calls = []
     real = tokenize_cache.encode_batch
 
-    def counting(batch, **kw):
+    def counting(batch, *indices, **kw):
         calls.append(len(next(iter(batch.values()))))
-        return real(batch, **kw)
+        return real(batch, *indices, **kw)
     monkeypatch.setattr(tokenize_cache, "encode_batch", counting)
 
     def build(**kw):
@@ -197,7 +198,7 @@ def test_cache_hits_misses_and_invalidation(tmp_path, tok, cache, monkeypatch):
     real_digest = tokenize_cache._file_digest
     monkeypatch.setattr(tokenize_cache, "_file_digest",
                         lambda p: (hashed.append(p) if p.parent == d else None) or real_digest(p))
-    assert build() == (first, False) and not hashed                    # hit; the file's digest remembered
+    assert build() == (first, False) and hashed                        # hit; the bytes hashed again (not the mtime)
     assert build(learning_rate=1e-3, output_dir="elsewhere", preprocessing_num_workers=1) == (first, False)
     assert build(overwrite_cache=True) == (first, True)                # rebuilt, same key
     assert len(_entries(cache)) == 1
@@ -207,11 +208,20 @@ def test_cache_hits_misses_and_invalidation(tmp_path, tok, cache, monkeypatch):
     (d / "alpaca_demo.json").write_text(json.dumps(records))
     changed, tokenized = build()                                       # the file's contents
     assert tokenized and changed != first and len(_entries(cache)) == 3 and hashed
+    # an edit that keeps the size and the mtime (cp -p, rsync -t and tar x keep both): the new text
+    path = d / "alpaca_demo.json"
+    stamp = path.stat()
+    path.write_text(path.read_text().replace("Changed.", "Chanced."))
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))
+    assert path.stat().st_size == stamp.st_size and path.stat().st_mtime_ns == stamp.st_mtime_ns
+    edited, tokenized = build()
+    assert tokenized and edited not in (first, changed) and len(_entries(cache)) == 4
+    assert build(overwrite_cache=True) == (edited, True)
     other = tok.__class__.from_pretrained(_saved(tok, tmp_path))
     other.chat_template = CHATML.replace("<|im_start|>", "<|im_start|> ")
     calls.clear()
     build_examples(cfg(d, dataset="alpaca_demo"), other)               # the tokenizer's chat template
-    assert calls and len(_entries(cache)) == 4
+    assert calls and len(_entries(cache)) == 5
 
 
 def _saved(tok, tmp_path) -> Path:

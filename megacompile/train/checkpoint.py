@@ -98,7 +98,7 @@ def checkpoints(output_dir: str | Path) -> list[Path]:
     if not out.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-             and (p / TRAINER).is_file()]
+             and is_megatrain(p)]
     return [p for _, p in sorted(found)]
 
 
@@ -109,9 +109,9 @@ def recover(output_dir: str | Path) -> list[str]:
     if not out.is_dir():
         return done
     for p in sorted(out.iterdir()):
-        if (m := _PREV.match(p.name)) and p.is_dir():
+        if (m := _PREV.match(p.name)) and p.is_dir() and is_megatrain(p):   # (never another tool's folder)
             final = out / f"checkpoint-{m.group(1)}"
-            if (final / TRAINER).is_file():
+            if is_megatrain(final):
                 shutil.rmtree(p)
                 done.append(f"removed {p.name} (replaced by a complete {final.name})")
             elif not final.exists():
@@ -338,9 +338,9 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
         trainer = json.loads((path / TRAINER).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise _damaged(path, TRAINER, f"not valid JSON: {e}") from None
-    if not isinstance(trainer, dict) or not isinstance(trainer.get("step"), int) or \
-            not all(isinstance(trainer.get(k), dict) for k in ("scheduler", "data", "state")):
+    if not _trainer_shaped(trainer):
         raise _damaged(path, TRAINER, "it lacks step, scheduler, data or state")
+    _check_steps(path, trainer)
     legacy_rng = not (path / "rng.json").exists() and (path / "rng.pt").is_file()   # an earlier megatrain's
     names = [n for n in FILES if not (legacy_rng and n == "rng.json")] + (["rng.pt"] if legacy_rng else [])
     if (path / WEIGHTS_INDEX).is_file():   # sharded weights: the index names the shards
@@ -365,6 +365,7 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
     if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) or \
             not isinstance(optimizer.get("param_groups"), list):
         raise _damaged(path, "optimizer.pt", "not an optimizer state_dict")
+    _check_optimizer_steps(path, trainer, optimizer)
     moments = {f"state[{k}].{n}": v for k, s in optimizer["state"].items() if isinstance(s, dict)
                for n, v in s.items() if isinstance(v, torch.Tensor)}
     if bad := _finite(moments):
@@ -381,6 +382,48 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
         raise _damaged(path, "rng.pt",
                        f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
     return Loaded(path, masters, optimizer, rng, trainer, tiered)
+
+
+def _trainer_shaped(trainer) -> bool:
+    return isinstance(trainer, dict) and type(trainer.get("step")) is int \
+        and all(isinstance(trainer.get(k), dict) for k in ("scheduler", "data", "state"))
+
+
+def _check_steps(path: Path, trainer: dict) -> None:
+    """The step a checkpoint says it is, everywhere it says it: trainer.json's step, its
+    trainer state's step, the scheduler's count and the folder's name (a hand-edited or
+    mixed-up checkpoint resumes at the wrong place, or reports an untrained run finished)."""
+    step = trainer["step"]
+    said = {"the folder's name": step_of(path) if _NAME.match(path.name) else step,
+            "its trainer state": trainer["state"].get("step", step),
+            "its scheduler": trainer["scheduler"].get("last_epoch", step)}
+    wrong = [f"{where} says {value}" for where, value in said.items() if value != step]
+    if step < 0 or wrong:
+        raise _damaged(path, TRAINER, f"its step is {step} but {'; '.join(wrong) or 'a step is never negative'}: "
+                                      "its parts disagree (edited, or files of two checkpoints mixed)")
+
+
+def _check_optimizer_steps(path: Path, trainer: dict, optimizer: dict) -> None:
+    """AdamW counts its own steps per weight: the most any weight took is the run's steps less
+    the ones skipped (non-finite), or the optimizer state is another checkpoint's."""
+    counts = [s["step"] for s in optimizer["state"].values() if isinstance(s, dict) and "step" in s]
+    counts = [int(c.item()) if isinstance(c, torch.Tensor) and c.numel() == 1 else c for c in counts]
+    if not counts or not all(isinstance(c, (int, float)) for c in counts):
+        return
+    expected = trainer["step"] - int(trainer["state"].get("skipped_steps", 0) or 0)
+    if int(max(counts)) != expected:
+        raise _damaged(path, "optimizer.pt", f"its AdamW state took {int(max(counts))} steps where {TRAINER} says "
+                                             f"{expected} ({trainer['step']} steps less the skipped): it is another "
+                                             "checkpoint's optimizer state")
+
+
+def is_megatrain(path: Path) -> bool:
+    """Whether `path` is a checkpoint folder megatrain wrote: its trainer.json has megatrain's
+    fields (a Hugging Face Trainer's checkpoint-N holds trainer_state.json, never this)."""
+    try:
+        return _trainer_shaped(json.loads((Path(path) / TRAINER).read_text()))
+    except (OSError, ValueError):
+        return False
 
 
 def _shards(path: Path) -> list[str]:

@@ -334,6 +334,14 @@ _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "mega
 _OPTION_FIELDS = {f.name for f in dataclasses.fields(Options)}
 
 
+#: keys with no default worth showing: what a value looks like (the "has no value" message)
+_EXAMPLES = {"output_dir": "saves/llama3-8b/full/sft", "model_name_or_path": "meta-llama/Meta-Llama-3-8B-Instruct",
+             "dataset": "alpaca_en_demo", "template": "llama3", "dataset_dir": "data",
+             "eval_dataset": "alpaca_en_demo", "tokenized_path": "saves/tokenized",
+             "resume_from_checkpoint": "saves/run/checkpoint-500", "media_dir": "data"}
+_REQUIRED = ("output_dir", "model_name_or_path", "dataset")
+
+
 def _check_type(key: str, value: Any) -> Any:
     hint = typing.get_type_hints(TrainConfig)[key]
     allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
@@ -341,7 +349,13 @@ def _check_type(key: str, value: Any) -> Any:
     if value is None and type(None) in allowed:
         return None
     if value is None:   # `key:` or `key=` with nothing after it
-        raise ConfigError(f"{key} has no value: give one (e.g. {key}={_FIELDS[key].default!r}) or leave the key out.")
+        default = _FIELDS[key].default
+        if default in ("", None) or isinstance(default, (dict, list)):   # (no default worth showing: an example)
+            example = _EXAMPLES.get(key)
+            raise ConfigError(f"{key} has no value: give one" + (f" (e.g. {key}: {example})" if example else "")
+                              + (" or leave the key out" if default not in ("", None) or key not in _REQUIRED
+                                 else "") + ".")
+        raise ConfigError(f"{key} has no value: give one (e.g. {key}: {default!r}) or leave the key out.")
     if isinstance(value, str) and (float in allowed or int in allowed):
         try:  # YAML 1.1 reads `5e-5` (no dot) as a string
             number = float(value)

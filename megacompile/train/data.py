@@ -230,8 +230,8 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
                     **attr.columns}["images"]
     messages = (alpaca_messages(record, attr.columns, name) if attr.formatting == "alpaca"
                 else sharegpt_messages(record, attr.columns, attr.tags, name))
-    if check_conversation(messages, name):   # LLaMA-Factory skips it too
-        return None, "malformed"
+    if why := check_conversation(messages, name):   # LLaMA-Factory skips it too
+        return None, f"malformed|{_not_text(record, attr) or why}"
     paths = record.get(image_column) or None
     if paths and images is None:
         raise DataError(f"data set {name!r} has images (column {image_column!r}) but "
@@ -249,6 +249,30 @@ def encode_record(record: dict, attr: DatasetAttr, config, tokenizer, template, 
     if ex.trained_tokens == 0:   # the reply was cut off entirely by cutoff_len
         return None, "dropped"
     return ex, None
+
+
+def _not_text(record: dict, attr: DatasetAttr) -> str | None:
+    """The real cause of an alpaca record without a reply: its response column holds no text (a
+    number, a list, null), which LLaMA-Factory's converter also turns into no reply."""
+    if attr.formatting != "alpaca":
+        return None
+    column = {**ALPACA_COLUMNS, **attr.columns}["response"]
+    value = record.get(column)
+    if isinstance(value, str):
+        return None
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"its {column!r} is {'null' if value is None else type(value).__name__ + ' ' + shown}, not text"
+
+
+def skip_summary(counts: dict) -> str:
+    """How many records were skipped as malformed and why, with the first few named by file and
+    record (build_examples' counts["skipped"])."""
+    n = counts.get("malformed")
+    if not n:
+        return ""
+    shown = "; ".join(counts.get("skipped", [])[:3])
+    return (f"{n} skipped (LLaMA-Factory skips them too: a record must alternate user and assistant turns and end "
+            f"on a reply" + (f"; e.g. {shown}" if shown else "") + ")")
 
 
 def data_template(config, tokenizer):
@@ -279,20 +303,23 @@ def build_examples(config, tokenizer, images=None, say=None) -> tuple[Examples, 
     if config.val_size > 0:
         from .evaluate import holdout_indices
         train_rows, eval_rows = holdout_indices(len(table), config.val_size, config.seed)
-        held, held_dropped = _examples_of(table.select(eval_rows), config, tokenizer)
+        held_table = table.select(eval_rows)
+        held, held_dropped = _examples_of(held_table, config, tokenizer)
         table = table.select(train_rows)
     examples, dropped = _examples_of(table, config, tokenizer)
     if held is not None:
         dropped = dropped + held_dropped
     counts.update(dropped)
+    if counts.get("malformed"):
+        from .tokenize_cache import skipped
+        counts["skipped"] = skipped(table) + (skipped(held_table) if held is not None else [])
     if not examples:
         raise DataError(f"no training examples: {counts['samples']} samples, {counts['dropped']} dropped because "
                         f"cutoff_len={config.cutoff_len} left no reply tokens"
                         + (f", {counts['dropped_images']} because it cut into an image" if "dropped_images" in counts
                            else "")
-                        + (f", {counts['malformed']} skipped because their turns do not alternate user/assistant "
-                           "or end on a prompt (check the tags in dataset_info.json)" if counts.get("malformed")
-                           else "")
+                        + (f", {skip_summary(counts)}; check the records, or the tags and columns in "
+                           "dataset_info.json" if counts.get("malformed") else "")
                         + (f" (stage pt: fewer than cutoff_len={config.cutoff_len} tokens of text)"
                            if config.stage == "pt" else "")
                         + (f" ({len(eval_rows)} records held out by val_size={config.val_size:g})" if held is not None

@@ -14,6 +14,16 @@ model's own folder (or a folder inside it), a non-empty folder that holds no meg
 own), a run's folder without resume_from_checkpoint or overwrite_output_dir, and a folder that
 another live run holds (an exclusive `flock` that the kernel releases when the process ends, so
 a killed run leaves no lock behind; the file says which pid on which host holds it).
+
+What overwrite_output_dir may remove is only what a megatrain run provably wrote (`run_files`):
+checkpoint-N folders whose trainer.json is megatrain's, the log, and the files the last export's
+manifest lists with the sizes it wrote them at. Everything else in the folder is kept; a kept
+file that the run would write over (a name its export or checkpoints use: another tool's
+config.json, model.safetensors, checkpoint-500) refuses the run, naming it. Nothing that holds an
+input of the run (the model, the data, the checkpoint it resumes from) is ever removed: such a
+run is refused before it starts. A folder whose earlier run saved nothing (interrupted before
+its first checkpoint: a log and no checkpoint or export) is not a run to continue: the same
+command starts over, and that log is moved to retired/ first.
 """
 from __future__ import annotations
 
@@ -138,28 +148,77 @@ def _model_folder(source: str) -> Path | None:
 
 
 def _exported(out: Path) -> list[str]:
-    """The files a finished run's export wrote (its manifest says)."""
+    """The files the last export wrote that are still as it wrote them (its manifest lists them
+    with their sizes: a file replaced since is not ours any more; an earlier megatrain's manifest
+    has no sizes and is believed by name)."""
     try:
-        files = json.loads((out / EXPORT_MANIFEST).read_text()).get("files", [])
+        manifest = json.loads((out / EXPORT_MANIFEST).read_text())
+        files, sizes = manifest.get("files", []), manifest.get("sizes")
     except (OSError, ValueError, AttributeError):
         return []
-    return [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+    names = [f for f in files if isinstance(f, str) and "/" not in f and f not in ("", ".", "..")]
+    if not isinstance(sizes, dict):
+        return names
+    return [f for f in names if sizes.get(f) is None or
+            ((out / f).is_file() and not (out / f).is_symlink() and (out / f).stat().st_size == sizes[f])]
 
 
 #: written into output_dir by report_to's trackers (report.py)
 TRACKER_DIRS = ("runs", "wandb")
+PLOT = "training_loss.png"
+EXPORT_TMP = ".export.tmp"
+#: what a run's final export may write (trainer._export: save_pretrained of the model or the
+#: adapter, of the tokenizer or processor, and merged/): a file of these names that no megatrain
+#: run wrote would be replaced, so it refuses the run instead
+EXPORT_NAMES = frozenset({
+    "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+    "pytorch_model.bin", "adapter_model.safetensors", "adapter_config.json", "README.md", "merged",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+    "chat_template.json", "additional_chat_templates", "preprocessor_config.json", "processor_config.json",
+    "video_preprocessor_config.json", EXPORT_MANIFEST, LOG_NAME, PLOT, EXPORT_TMP, LOCK})
+_RETIRED_NAME = re.compile(r"^\d{8}-\d{6}-(from-step-\d+|unsaved-run)$")
+_SHARD = re.compile(r"^model-\d+-of-\d+\.safetensors$")
 
 
-def _run_files(out: Path) -> list[Path]:
-    """What in `out` belongs to a megatrain run."""
+def may_write(name: str) -> bool:
+    """Whether a run may write a file or folder of this name into its output_dir."""
+    return name in EXPORT_NAMES or bool(_SHARD.match(name) or _RUN_FILE.match(name))
+
+
+def _our_log(path: Path) -> bool:
+    """A train_log.jsonl megatrain wrote: empty (touched at the start) or rows of JSON with a
+    step (a kill may have torn the last line)."""
+    if not path.is_file() or path.is_symlink():
+        return False
+    rows, bad = read_log(path)
+    return bad <= 1 and (bool(rows) or not path.read_text(errors="replace").strip())
+
+
+def run_files(out: Path) -> list[Path]:
+    """What in `out` a megatrain run provably wrote (see the module docstring)."""
     if not out.is_dir():
         return []
     exported = set(_exported(out))
-    # the trackers' folders (report_to: tensorboard, wandb) are the run's only next to its log: a
+    log = _our_log(out / LOG_NAME)
+    saved = [p for p in out.iterdir() if _RUN_FILE.match(p.name) and p.is_dir() and not p.is_symlink()
+             and checkpoint.is_megatrain(p)]
+    retired = out / RETIRED
+    proven = log or bool(saved) or (out / EXPORT_MANIFEST).is_file() or (
+        retired.is_dir() and any(retired.iterdir()) and all(_RETIRED_NAME.match(p.name) for p in retired.iterdir()))
+    # a checkpoint-N.tmp (a save a kill cut short) or .export.tmp is the run's when the folder
+    # holds one; the trackers' folders (report_to: tensorboard, wandb) only next to its log: a
     # `runs/` of some other tool's output folder is not ours to delete
-    trackers = TRACKER_DIRS if (out / LOG_NAME).exists() else ()
-    return [p for p in out.iterdir() if _RUN_FILE.match(p.name) or p.name in exported
-            or p.name in (LOG_NAME, RETIRED, EXPORT_MANIFEST, "training_loss.png", *trackers)]
+    partial = [p for p in out.iterdir() if proven and p.is_dir() and not p.is_symlink()
+               and (p.name.endswith(".tmp") and _RUN_FILE.match(p.name) or p.name in (EXPORT_TMP, RETIRED))]
+    tops = [n for n in (PLOT, *TRACKER_DIRS) if log] + [n for n in (LOG_NAME,) if log] + \
+        [EXPORT_MANIFEST] * bool(exported) + sorted(exported)
+    return saved + partial + [out / n for n in dict.fromkeys(tops) if (out / n).exists()]
+
+
+def _saved_nothing(run: list[Path]) -> bool:
+    """An earlier run that wrote its log and nothing to continue from (no checkpoint, no export)."""
+    return bool(run) and all(p.name in (LOG_NAME, PLOT, RETIRED, *TRACKER_DIRS) for p in run)
 
 
 def read_log(path: Path) -> tuple[list[dict], int]:
@@ -207,6 +266,7 @@ class RunDir:
         self.created: list[Path] = []   # folders this run made (removed again if it writes nothing)
         self.resume_from: Path | None = None
         self.replace_run = False   # overwrite_output_dir over an earlier run: its files go at start()
+        self.unsaved: list[Path] = []   # an earlier run's log that saved nothing: retired at start()
         self.notes: list[str] = []
 
     # -- checks, before anything is written ----------------------------------------------------
@@ -233,12 +293,18 @@ class RunDir:
         cfg, out = self.config, self.out
         notes = checkpoint.recover(out)
         self.notes += notes
-        run = _run_files(out)
+        run = run_files(out)
         foreign = [p.name for p in out.iterdir() if p.name != LOCK and p not in run] if out.is_dir() else []
+        if cfg.overwrite_output_dir and foreign:
+            self._check_kept(foreign)
         resume = cfg.resume_from_checkpoint
         if resume not in (None, False):
             if resume is True:
                 found = checkpoint.checkpoints(out)
+                if not found and _saved_nothing(run):
+                    raise ConfigError(f"resume_from_checkpoint: true, but the earlier run in {out} stopped before it "
+                                      "saved a checkpoint: there is nothing to resume. Run the same config without "
+                                      "resume_from_checkpoint: it starts over in that folder.")
                 if not found:
                     raise ConfigError(f"resume_from_checkpoint: true, but {out} holds no complete checkpoint.")
                 self.resume_from = found[-1]
@@ -253,7 +319,13 @@ class RunDir:
                 raise self._foreign(foreign)
             self.resume_from = path
             return
+        if run and _saved_nothing(run) and not cfg.overwrite_output_dir:
+            self.unsaved = run   # (nothing to continue: the same command starts over)
+            if foreign:
+                raise self._foreign(foreign)
+            return
         if run:
+            self._check_inputs(run)
             if not cfg.overwrite_output_dir:
                 raise ConfigError(f"output_dir {out} already holds a run: set resume_from_checkpoint: true to continue "
                                   "it, or overwrite_output_dir: true to start over (its checkpoints and log are "
@@ -262,11 +334,61 @@ class RunDir:
         elif foreign and not cfg.overwrite_output_dir:
             raise self._foreign(foreign)
 
+    def _inputs(self) -> list[tuple[str, Path]]:
+        """The run's inputs on disk, (key, resolved path): nothing that holds one is removed."""
+        cfg, found = self.config, []
+        for key in ("model_name_or_path", "dataset_dir", "media_dir", "tokenized_path"):
+            value = getattr(cfg, key, None)
+            if value and not str(value).startswith("embedded:") and Path(str(value)).expanduser().exists():
+                found.append((key, Path(str(value)).expanduser().resolve()))
+        if cfg.resume_from_checkpoint not in (None, False, True):
+            found.append(("resume_from_checkpoint", Path(str(cfg.resume_from_checkpoint)).expanduser().resolve()))
+        try:   # (a data file registered outside dataset_dir)
+            from ..errors import MegatrainError
+            from .registry import load_registry
+            from .sources import data_path
+            for name, attr in load_registry(cfg.dataset_dir, cfg.datasets).items():
+                if attr.load_from == "file":
+                    found.append((f"the data set {name!r}",
+                                  data_path(attr, cfg.dataset_dir, cfg.allow_outside_dataset_dir).resolve()))
+        except (MegatrainError, OSError):   # (a bad registry is refused later, with its own message)
+            pass
+        return found
+
+    def _check_inputs(self, run: list[Path]) -> None:
+        """Refuse an overwrite that would delete what this run reads: `OUT/checkpoint-2` as the
+        model_name_or_path of a new run in OUT (its starting weights would be gone)."""
+        if not self.config.overwrite_output_dir:
+            return
+        for p in run:
+            if p.name == RETIRED:   # (never deleted)
+                continue
+            for key, path in self._inputs():
+                if _inside(path, p.resolve()):
+                    raise ConfigError(f"overwrite_output_dir: true would delete {p}, which holds this run's "
+                                      f"{key} ({path}): move it out of {self.out} and point {key} there, or choose "
+                                      "another output_dir.")
+
+    def _check_kept(self, foreign: list[str]) -> None:
+        """overwrite_output_dir over files megatrain did not write: they are kept, unless the run
+        would write over them (then it is refused: which files, and why)."""
+        hit = sorted(n for n in foreign if may_write(n))
+        if hit:
+            shown = ", ".join(hit[:6]) + (" ..." if len(hit) > 6 else "")
+            raise ConfigError(f"output_dir {self.out} holds {shown}, which no megatrain run wrote there (no "
+                              f"{'megatrain trainer.json in it, nor ' if any(_RUN_FILE.match(n) for n in hit) else ''}"
+                              f"a listing in {EXPORT_MANIFEST}) and this run's checkpoints or export would replace: "
+                              "overwrite_output_dir removes only a megatrain run's files. Move them out, or choose "
+                              "another output_dir.")
+        shown = ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else "")
+        self.notes.append(f"overwrite_output_dir: {len(foreign)} file(s) in {self.out} that megatrain did not write "
+                          f"are kept ({shown})")
+
     def _foreign(self, names: list[str]) -> ConfigError:
         shown = ", ".join(sorted(names)[:5]) + (" ..." if len(names) > 5 else "")
         return ConfigError(f"output_dir {self.out} is not empty and holds no megatrain run ({shown}): use an empty or "
-                           "new folder, or set overwrite_output_dir: true to write into it (nothing of its own is "
-                           "deleted; files of the same names as the run's are replaced).")
+                           "new folder, or set overwrite_output_dir: true to write into it (files megatrain did not "
+                           "write are kept, and one the run would write over stops it before it starts).")
 
     def __enter__(self) -> "RunDir":
         self.check()
@@ -302,13 +424,29 @@ class RunDir:
         behind (newer than `step`). Returns what was done, for the log."""
         out, done = self.out, []
         self.created = []
+        if self.unsaved:
+            rows, _ = read_log(out / LOG_NAME)
+            dest = out / RETIRED / f"{time.strftime('%Y%m%d-%H%M%S')}-unsaved-run"
+            moved = []
+            for p in self.unsaved:
+                if p.name == RETIRED or not p.exists():
+                    continue
+                if p.name == LOG_NAME and not rows and p.stat().st_size == 0:
+                    p.unlink()   # (an empty log: nothing to keep)
+                    continue
+                dest.mkdir(parents=True, exist_ok=True)
+                os.replace(p, dest / p.name)
+                moved.append(p.name)
+            done.append("the earlier run in this folder stopped before its first checkpoint: starting over"
+                        + (f" (its {', '.join(moved)} moved to {dest})" if moved else ""))
+            return done
         if self.replace_run:
             runs = out / "runs"   # the old run's TensorBoard events (only if that is all it holds)
             events = runs.is_dir() and all(f.name.startswith("events.out.tfevents") for f in runs.rglob("*")
                                            if f.is_file())
             # (tracker folders go only when they hold nothing but TensorBoard events; an old wandb/
             # stays: the new run adds its own run folder to it)
-            ours = [p for p in _run_files(out) if p.name not in TRACKER_DIRS]
+            ours = [p for p in run_files(out) if p.name not in TRACKER_DIRS]
             for p in ours + ([runs] if events else []):
                 if p.name == RETIRED or not p.exists():
                     continue

@@ -12,6 +12,8 @@ before it loads the data sets one after the other, so the same records are chose
 """
 from __future__ import annotations
 
+import errno
+
 import os
 import socket
 from pathlib import Path
@@ -47,7 +49,19 @@ def data_path(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = 
     `dataset_dir` (`../x.json`, an absolute path, a link) is refused unless `allow_outside`: a
     registry copied from elsewhere must not make the trainer read (and print) any file."""
     base = Path(dataset_dir).resolve()
-    path = (base / attr.file_name).resolve()
+    try:
+        path = (base / attr.file_name).resolve()
+        if path.is_symlink():   # (resolve leaves a link it cannot follow: a loop or one to nowhere)
+            path.stat()
+    except FileNotFoundError:   # a link to nowhere: "does not exist" below
+        pass
+    except (RuntimeError, OSError) as e:   # a symlink loop (RuntimeError before Python 3.13), a bad mount
+        if isinstance(e, OSError) and e.errno not in (errno.ELOOP, errno.EACCES, errno.EIO, errno.ENAMETOOLONG):
+            raise
+        why = "a symbolic link that leads back to itself" if isinstance(e, RuntimeError) or e.errno == errno.ELOOP \
+            else (e.strerror or str(e))
+        raise DataError(f"data set {attr.name!r}: {base / attr.file_name} cannot be opened ({why}). Point file_name "
+                        f"in {base / 'dataset_info.json'} at the data file itself.") from None
     if not allow_outside and not path.is_relative_to(base):
         raise DataError(f"data set {attr.name!r}: file_name {attr.file_name!r} resolves to {path}, outside dataset_dir "
                         f"{base}. Move the file into dataset_dir, or set allow_outside_dataset_dir: true to read it.")
@@ -93,8 +107,11 @@ def check_source(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool
     return f"hf://{attr.hf_hub_url}"
 
 
-def load_source(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False, num_proc: int | None = None):
-    """The raw records of a registered data set, as a datasets.Dataset (Arrow, memory-mapped)."""
+def load_source(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool = False, num_proc: int | None = None,
+                fresh: bool = False):
+    """The raw records of a registered data set, as a datasets.Dataset (Arrow, memory-mapped).
+    `fresh`: convert a data file again instead of reusing datasets' cache of it (which trusts a
+    file's size and mtime: an edit that keeps both would read the old records)."""
     import datasets
     datasets.disable_progress_bars()
     check_source(attr, dataset_dir, allow_outside)
@@ -106,7 +123,8 @@ def load_source(attr: DatasetAttr, dataset_dir: str | Path, allow_outside: bool 
             raise DataError(f"data set {attr.name!r}: {path} is empty. Put records in it ({builder}) or remove "
                             f"{attr.name!r} from dataset.")
         try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train")
+            ds = datasets.load_dataset(builder, data_files=files, split="train",
+                                       download_mode="force_redownload" if fresh else None)
         except Exception as e:  # datasets wraps parser errors in several exception types
             cause = e.__cause__ or e
             if isinstance(cause, StopIteration) or "corresponds to no data" in str(cause):

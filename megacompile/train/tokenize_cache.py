@@ -12,10 +12,13 @@ decides the examples: the data files' contents (a hub set's datasets fingerprint
 entries, the tokenizer (its vocabulary, merges, special tokens and chat template), the template,
 the data options of the config (every key but the training-only ones listed below) and the
 source of the encoding code. A later run with the same key reads the table instead of
-tokenizing; `overwrite_cache: true` rebuilds it. `<cache>` is $MEGATRAIN_CACHE, else
-~/.cache/megatrain. Entries are not evicted: delete the folder to reclaim the space. A data
-file's SHA-256 is remembered with its size and mtime (tokenized/file_digests.json), so a large
-corpus is read once for its digest, not at every start.
+tokenizing; `overwrite_cache: true` rebuilds it, reading the data files again. `<cache>` is
+$MEGATRAIN_CACHE, else ~/.cache/megatrain. Entries are not evicted: delete the folder to
+reclaim the space. The data files are hashed (SHA-256 of their bytes) at every start, never
+trusted by size and mtime: `cp -p`, `rsync -t` and `tar x` keep both across an edit. Hashing
+reads a file at disk speed, which is small next to tokenizing it. datasets' own cache of a
+file's Arrow conversion does key on size and mtime, so a file whose digest changed since it was
+last read (tokenized/file_digests.json) is converted again (download_mode="force_redownload").
 
 `tokenized_path` works as in LLaMA-Factory: when it holds a tokenized set (ours, or one saved by
 LLaMA-Factory: a DatasetDict whose "train" split has input_ids and labels), it is loaded and the
@@ -71,10 +74,12 @@ def cache_root() -> Path:
 
 
 # the per-record function ------------------------------------------------------------
-def encode_batch(batch: dict[str, list], attr: DatasetAttr, config, tokenizer, template, images=None) -> dict:
-    """Token and label lists of a batch of records (datasets.map, batched). A record that gives
-    no example keeps an empty row with its reason in `drop`, so mixing chooses the same records
-    as LLaMA-Factory (it mixes before tokenizing) and the reasons can be counted."""
+def encode_batch(batch: dict[str, list], indices: list[int] | None = None, attr: DatasetAttr = None, config=None,
+                 tokenizer=None, template=None, images=None) -> dict:
+    """Token and label lists of a batch of records (datasets.map, batched, with_indices). A
+    record that gives no example keeps an empty row with its reason in `drop`, so mixing chooses
+    the same records as LLaMA-Factory (it mixes before tokenizing) and the reasons can be
+    counted: `reason` or `reason|where: why` (a skipped record, named by file and number)."""
     from .data import PT_COLUMNS, encode_record, pretrain_tokens
     names = list(batch)
     records = [dict(zip(names, values)) for values in zip(*batch.values())]
@@ -88,8 +93,13 @@ def encode_batch(batch: dict[str, list], attr: DatasetAttr, config, tokenizer, t
             ids = pretrain_tokens(tokenizer, record[column], template)   # (template: the separator text)
             out["input_ids"].append(ids), out["labels"].append(ids), out["images"].append([]), out["drop"].append("")
         return out
-    for record in records:
+    where = attr.file_name or attr.hf_hub_url or attr.name
+    for k, record in enumerate(records):
         ex, reason = encode_record(record, attr, config, tokenizer, template, images)
+        if reason and "|" in reason:   # (record numbers count from 1, as an editor's lines do)
+            kind, why = reason.split("|", 1)
+            number = f"record {indices[k] + 1}" if indices is not None else "a record"
+            reason = f"{kind}|{where} {number}{' (of the sampled ones)' if attr.num_samples else ''}: {why}"
         out["input_ids"].append(ex.input_ids if ex else [])
         out["labels"].append(ex.labels if ex else [])
         out["images"].append(list(ex.images or []) if ex else [])
@@ -139,21 +149,23 @@ def cache_key(config, tokenizer, template, sources: dict[str, str]) -> str:
 
 
 def source_digest(attr: DatasetAttr, config, raw=None) -> str:
-    """A data set's contents: each file's SHA-256 (and name), or a hub set's datasets fingerprint."""
+    """A data set's contents: each file's SHA-256 of its bytes (and name), or a hub set's
+    datasets fingerprint."""
     from .sources import data_files, data_path
     if attr.load_from == "file":
         path = data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir)
         _, files = data_files(path)
-        known = _known_digests()
-        digests = [[Path(f).name, _data_file_digest(Path(f), known)] for f in files]
-        _remember_digests(known)
+        try:
+            digests = [[Path(f).name, _file_digest(Path(f))] for f in files]
+        except OSError as e:   # (a file that cannot be read: the user's to fix)
+            raise DataError(f"data set {attr.name!r}: cannot read {e.filename or path} ({e.strerror or e}).") from None
         return hashlib.sha256(json.dumps(digests).encode()).hexdigest()
     return str(getattr(raw, "_fingerprint", None))
 
 
-# a large corpus is hashed once: its SHA-256 is remembered with the file's size and mtime_ns
-# (a rewrite changes the mtime; an edit that keeps both would need overwrite_cache)
 def _digest_book() -> Path:
+    """{data path: the digest of its contents when it was last read}: a change means that
+    datasets' Arrow conversion of it (keyed on size and mtime) may be stale."""
     return cache_root() / "tokenized" / "file_digests.json"
 
 
@@ -165,15 +177,21 @@ def _known_digests() -> dict:
         return {}
 
 
-def _data_file_digest(path: Path, known: dict) -> str:
-    st = path.stat()
-    stamp = [st.st_size, st.st_mtime_ns]
-    entry = known.get(str(path.resolve()))
-    if isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3:
-        return entry[2]
-    digest = _file_digest(path)
-    known[str(path.resolve())] = [*stamp, digest]
-    return digest
+def _stale_conversions(config, digests: dict[str, str]) -> set[str]:
+    """The file data sets whose contents changed since they were last read (or all of them,
+    with overwrite_cache): datasets must convert them again rather than reuse its cache."""
+    from .sources import data_path
+    known, stale = _known_digests(), set()
+    for name, digest in digests.items():
+        attr = _attr(config, name)
+        if attr.load_from != "file":
+            continue
+        where = str(data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir))
+        if config.overwrite_cache or known.get(where) != digest:
+            stale.add(name)
+        known[where] = digest
+    _remember_digests(known)
+    return stale
 
 
 def _remember_digests(known: dict) -> None:
@@ -207,6 +225,7 @@ def tokenized(config, tokenizer, template, images=None, say=None):
         attr = _attr(config, name)
         raws[name] = None if attr.load_from == "file" else _load(attr, config)
         digests[name] = source_digest(attr, config, raws[name])
+    fresh = _stale_conversions(config, digests)
     key = cache_key(config, tokenizer, template, digests)
     entry = cache_root() / "tokenized" / key
     target = Path(config.tokenized_path) if config.tokenized_path else None
@@ -215,7 +234,7 @@ def tokenized(config, tokenizer, template, images=None, say=None):
         loaded = None if config.overwrite_cache or images is not None else _cached(entry, say)
         if loaded is None:
             try:
-                _build(config, tokenizer, template, images, raws, tmp, key, say)
+                _build(config, tokenizer, template, images, raws, tmp, key, say, fresh)
                 if images is None:   # image data: see the module docstring
                     _publish(tmp, entry)
                 else:
@@ -263,9 +282,10 @@ def _attr(config, name) -> DatasetAttr:
     return load_registry(config.dataset_dir, [name])[name]
 
 
-def _load(attr: DatasetAttr, config):
+def _load(attr: DatasetAttr, config, fresh: bool = False):
     from .sources import load_source
-    return load_source(attr, config.dataset_dir, config.allow_outside_dataset_dir, config.preprocessing_num_workers)
+    return load_source(attr, config.dataset_dir, config.allow_outside_dataset_dir, config.preprocessing_num_workers,
+                       fresh=fresh)
 
 
 def _say_unmapped(raw, attr: DatasetAttr, say) -> None:
@@ -301,7 +321,7 @@ def _processes(workers: int | None, records: int) -> int | None:
     return n if n >= 2 else None
 
 
-def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=None) -> None:
+def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=None, fresh=frozenset()) -> None:
     """Loads, samples, tokenizes and mixes the data sets into `tmp` (see _save)."""
     say = say or _log.info
     import numpy as np
@@ -313,11 +333,12 @@ def _build(config, tokenizer, template, images, raws, tmp: Path, key: str, say=N
     workers = config.preprocessing_num_workers if images is None else None   # see the module docstring
     for k, name in enumerate(config.datasets):
         attr = _attr(config, name)
-        raw = raws[name] if raws.get(name) is not None else _load(attr, config)
+        raw = raws[name] if raws.get(name) is not None else _load(attr, config, name in fresh)
         _say_unmapped(raw, attr, say)
         raw = select_records(raw, attr, config.max_samples, rng)
         records[name] = len(raw)
-        part = raw.map(encode_batch, batched=True, remove_columns=raw.column_names, features=features(),
+        part = raw.map(encode_batch, batched=True, with_indices=True, remove_columns=raw.column_names,
+                       features=features(),
                        fn_kwargs=dict(attr=attr, config=config, tokenizer=tokenizer, template=template, images=images),
                        num_proc=_processes(workers, len(raw)),
                        new_fingerprint=f"{key}-{k}", cache_file_name=str(tmp / f"part-{k}.arrow"),
@@ -375,6 +396,18 @@ def _load_tokenized_path(path: Path, say):
     return table, records
 
 
+def skipped(table, limit: int = 3) -> list[str]:
+    """The first `limit` skipped records of a tokenized table, each "file record N: why"."""
+    found = []
+    if "drop" in table.column_names:
+        for d in table.data.column("drop").to_pylist():
+            if d and "|" in d:
+                found.append(d.split("|", 1)[1])
+                if len(found) == limit:
+                    break
+    return found
+
+
 def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id: int | None = None,
                 pad_id: int | None = None, batches: list[tuple[int, int]] | None = None):
     """The Examples of a tokenized table and the counts of dropped records by reason. An sft
@@ -401,7 +434,7 @@ def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id
     table = table.flatten_indices() if table._indices is not None else table
     ids, offsets = flat("input_ids")
     drops = table.data.column("drop").to_pylist() if "drop" in table.column_names else [""] * len(table)
-    dropped = Counter(d for d in drops if d)
+    dropped = Counter(d.split("|", 1)[0] for d in drops if d)
     if stage == "pt" and packing:
         pieces = []
         for first, last in batches if batches is not None else [(0, len(offsets) - 1)]:

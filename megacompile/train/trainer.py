@@ -38,7 +38,8 @@ from ..runtime.tier_io import TierIOError
 from ..vlm import is_vlm
 from . import checkpoint, lora, ranks, resume, schedule, stream
 from .config import TrainConfig
-from .data import IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint, show_example
+from .data import (IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint, show_example,
+                   skip_summary)
 from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
 from .finetuning import apply_finetuning
 from .flops import FlopCounter, device_peak
@@ -46,7 +47,7 @@ from .images import image_inputs
 from .model_source import ModelSource
 from .preflight import PreflightError, check_device, choose_tier, plan_check, preflight  # noqa: F401 (PreflightError: API)
 from .report import open_reporter
-from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log
+from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log, run_files
 
 log = logs.get("train")
 
@@ -294,8 +295,9 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     if finished:
         agree(topo, lambda: _export(out, model, processor or tokenizer, state["step"], config.merge_lora)
               if topo.writer else None)
-        say(f"[megatrain] nothing left to train (step {state['step']} of {total}); exported the model of "
-            f"{loaded.path} to {out}")
+        say(f"[megatrain] nothing trained: {loaded.path} is the end of the run (step {state['step']} of {total}) "
+            f"and its export was missing (the run stopped before it was written); the model is exported to {out} "
+            "now")
         return state
 
     def start():
@@ -368,8 +370,7 @@ def _data(config: TrainConfig, tokenizer, images, sources: dict, topo: Topology 
         say(f"[megatrain] data set {name}: {where} ({counts['records'][name]} records)")
     packed = f" (packed from {counts['packed_from']})" if "packed_from" in counts else ""
     cut = (f", {counts['dropped_images']} dropped: cutoff_len cut into an image" if "dropped_images" in counts
-           else "") + (f", {counts['malformed']} skipped: turns that do not alternate or end on a prompt"
-                       if counts.get("malformed") else "")
+           else "") + (f", {skip_summary(counts)}" if counts.get("malformed") else "")
     say(f"[megatrain] {len(examples)} examples{packed} from {counts['samples']} samples ({counts['dropped']} dropped: "
         f"no reply left within cutoff_len={config.cutoff_len}{cut}); the first one, [[not trained]]:\n"
         f"{show_example(tokenizer, examples[0])}")
@@ -568,6 +569,7 @@ def _export(out: Path, model, saver, step: int, merge: bool = False) -> None:
     tmp = out / ".export.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
+    ours = set(run_files(out))   # (what an earlier export of this folder wrote, before its manifest goes)
     (out / EXPORT_MANIFEST).unlink(missing_ok=True)
     try:
         if lora.is_lora(model):   # as LLaMA-Factory's output_dir after LoRA: the adapter (lora.py)
@@ -578,11 +580,25 @@ def _export(out: Path, model, saver, step: int, merge: bool = False) -> None:
             model.save_pretrained(tmp)
         saver.save_pretrained(tmp)
         files = sorted(p.name for p in tmp.iterdir())
+        # never over a file megatrain did not write (run_dir refused such a folder at the start;
+        # this holds for a name it could not foresee, or a file put there during the run)
+        theirs = [n for n in files if (out / n).exists() and out / n not in ours]
+        if theirs:
+            aside = out / f"export-step-{step}"
+            if aside.exists():
+                raise OSError(errno.EEXIST, f"{aside} exists")
+            os.replace(tmp, aside)
+            raise checkpoint.CheckpointError(
+                f"the model is exported to {aside}, not into {out}: {out} holds {', '.join(theirs[:4])}, which "
+                "megatrain did not write, and an export never replaces another's file. Move the files from "
+                f"{aside} where you want them; {_last_checkpoint(out)}.")
+        sizes = {}
         for name in files:
+            sizes[name] = None if (tmp / name).is_dir() else (tmp / name).stat().st_size
             if (out / name).is_dir():
                 shutil.rmtree(out / name)
             os.replace(tmp / name, out / name)
-        (out / EXPORT_MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        (out / EXPORT_MANIFEST).write_text(json.dumps({"step": step, "files": files, "sizes": sizes}, indent=1))
     except (OSError, SafetensorError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
