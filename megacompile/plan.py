@@ -562,8 +562,8 @@ def _check_floor(config, seq: int, dtype: torch.dtype, capacity: int, source) ->
     if not isinstance(hidden, int) or hidden < 1:
         return
     floor = 2 * seq * hidden * dtype.itemsize
-    if floor > capacity:
-        longest = max(0, capacity // (2 * hidden * dtype.itemsize))
+    longest = max(0, capacity // (2 * hidden * dtype.itemsize))
+    if floor > capacity and longest >= 1:   # (no room at all: the plan's own report says what does not fit)
         name = source if isinstance(source, str) else type(config).__name__
         raise CannotPlanError(f"{name} at seq {seq}: the two hidden states at a layer boundary alone need "
                               f"{_fmt(floor)} ([{seq}, {hidden}] x 2, {dtype}), more than the {_fmt(capacity)} of "

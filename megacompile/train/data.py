@@ -126,7 +126,13 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, name: str) -> lis
                         "dataset_info.json.")
     roles = {tg["user_tag"]: "user", tg["assistant_tag"]: "assistant", tg["system_tag"]: "system",
              tg["observation_tag"]: "observation", tg["function_tag"]: "function"}
-    turns = list(record[cols["messages"]] or [])
+    turns = record[cols["messages"]] or []
+    if not isinstance(turns, (list, tuple)):
+        shown = repr(turns) if len(repr(turns)) <= 40 else repr(turns)[:37] + "..."
+        raise DataError(f"data set {name!r} (sharegpt): a record's {cols['messages']!r} is "
+                        f"{type(turns).__name__} {shown}, not a list of turns; fix the record (or columns.messages "
+                        "in dataset_info.json).")
+    turns = list(turns)
     messages = []
     first = turns[0] if turns and isinstance(turns[0], dict) else {}
     if first.get(tg["role_tag"]) == tg["system_tag"]:   # as LLaMA-Factory: a first system turn wins
