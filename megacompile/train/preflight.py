@@ -96,12 +96,39 @@ def hardware_for(config, device: torch.device, dtype: torch.dtype):
     return dataclasses.replace(profile, device_memory_gib=free / 2**30), why
 
 
+#: plan_check's answers in this process, by everything they depend on (_plan_key): a resumed
+#: run, or a second run of the same config in a notebook, does not plan again (a plan compiles
+#: the model's first layers twice: on a small model, about a third of a short run's time)
+_PLANNED: dict[str, str] = {}
+#: config keys that do not change the plan (and differ between a run and its resume)
+_NOT_PLANNED = ("output_dir", "resume_from_checkpoint", "overwrite_output_dir", "max_steps", "num_train_epochs",
+                "save_steps", "save_total_limit", "logging_steps", "report_to", "seed")
+
+
+def _plan_key(model, config, device: torch.device, placement, ssd) -> str:
+    import json
+
+    from ..hardware import host_memory_limit
+    keys = {k: v for k, v in config.to_dict().items() if k not in _NOT_PLANNED}
+    return json.dumps([model.config.to_json_string(), keys, str(device), placement, repr(ssd),
+                       host_memory_limit()[0] >> 32], sort_keys=True, default=str)
+
+
 def plan_check(model, config, device: torch.device, placement: str | None = None, ssd: SSD | None = None) -> str:
     """The device half of the preflight, from `megatrain plan`: the step's device peak at
     per_device_train_batch_size x cutoff_len against the usable device memory (on the CPU, the
     RAM left after the host store). Refuses a run that cannot fit, saying what to change. The
     step time counts gradient_accumulation_steps and the NVMe tier's exposed SSD time
     (`placement`, `ssd`: choose_tier's, which it calls when they are not given)."""
+    if placement is None:
+        placement, ssd = choose_tier(model, device, config)
+    key = _plan_key(model, config, device, placement, ssd)
+    if key not in _PLANNED:
+        _PLANNED[key] = _plan_check(model, config, device, placement, ssd)
+    return _PLANNED[key]
+
+
+def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | None) -> str:
     from ..plan import _fmt, plan_model
     from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
@@ -109,8 +136,6 @@ def plan_check(model, config, device: torch.device, placement: str | None = None
     options = {k: v for k, v in config.megatrain.items()
                if k in ("recompute", "recompute_head", "logits", "mlp_tiles", "offload_checkpoints", "attention")}
     hardware, why = hardware_for(config, device, dtype)
-    if placement is None:
-        placement, ssd = choose_tier(model, device, config)
     plan = plan_model(model.config, hardware=hardware, seq=config.cutoff_len, batch=batch,
                       slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
                       vision=config.vision, prepare=lambda meta: apply_finetuning(meta, config), ssd=ssd,
