@@ -67,6 +67,7 @@ def test_nvme_tier_benchmark_smoke_run():
     assert "bit-identical masters and moments: True" in out and "| tier (all: masters + moments) |" in out
 
 
+@pytest.mark.slow   # (36 s: two torchrun jobs; data parallelism itself is tests/test_data_parallel.py's)
 def test_data_parallel_benchmark_smoke_run():
     out = run("data_parallel.py", "--hidden", "64", "--layers", "1", "--steps", "1", "--warmup", "0", "--cpu-seq", "16",
               "--model", "smollm2-135m", "--seq", "128", "--gpu-batch", "1", "--plan-gpus", "1,2",

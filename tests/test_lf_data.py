@@ -272,7 +272,8 @@ def test_data_of_only_malformed_conversations_says_so(smollm2_tokenizer_or_tiny,
     (tmp_path / "dataset_info.json").write_text(json.dumps({"bad": {"file_name": "d.json", "formatting": "sharegpt"}}))
     cfg = from_mapping(dict(model_name_or_path="m", dataset="bad", dataset_dir=str(tmp_path), output_dir="o",
                             template="chatml"))
-    with pytest.raises(DataError, match="no training examples.*1 skipped because their turns do not alternate"):
+    with pytest.raises(DataError, match="no training examples.*1 skipped .*alternate user and assistant turns.*"
+                                        "e.g. d.json record 1: turn 2 is 'user' where assistant or function belongs"):
         build_examples(cfg, copy.deepcopy(smollm2_tokenizer_or_tiny))
 
 
@@ -306,7 +307,7 @@ def test_cli_trains_on_tool_calls_with_an_lf_template_and_refuses_unknown_names(
     good.write_text(base + "template: qwen\n")
     assert main(["train", str(good)]) == 0
     out = capsys.readouterr().out
-    assert "2 skipped: turns that do not alternate or end on a prompt" in out
+    assert "2 skipped (LLaMA-Factory skips them too: a record must alternate user and assistant turns" in out
     assert "# Tools" in out and '<tool_call>\n{"name": "get_exchange_rate"' in out   # the first example, shown
     for extra, message in (("template: qwen2.5\n", "template='qwen2.5' is not a LLaMA-Factory template"),
                            ("template: qwen\ntool_format: hermes\n", "tool_format='hermes'")):

@@ -88,7 +88,8 @@ def test_val_size_holds_out_the_records_llamafactory_holds_out(tiny_dir, tmp_pat
             folder.mkdir()
             (folder / "d.json").write_text(json.dumps(lf[part].to_list()))
             (folder / "dataset_info.json").write_text(json.dumps({"d": {"file_name": "d.json",
-                                                                        "columns": {"history": "history"}}}))
+                                                                        "columns": {"history": "history",
+                                                                                    "system": "system"}}}))
             theirs, _ = build_examples(config(tiny_dir, tmp_path, dataset="d", dataset_dir=str(folder),
                                               cutoff_len=256), tok)
             assert [e.input_ids for e in ours] == [e.input_ids for e in theirs]

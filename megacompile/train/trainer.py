@@ -234,6 +234,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
         check_packing(arch)
     placement, ssd = agree(topo, choose_tier, arch, device, config)
     say(agree(topo, preflight, arch, device, config.vision, placement, ssd))
+    say("[megatrain] planning the step (the first layers are compiled on the meta device; seconds to a minute) ...")
     say(agree(topo, plan_check, arch, config, device, placement, ssd))
     images = image_inputs(config, arch, source.processor)
     if config.streaming:
