@@ -86,6 +86,18 @@ def node_flops(n: fx.Node) -> int:
         pairs = s * s / 2 if not window or window >= s else s * window - window * window / 2
         b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
         return int(2 * b_h * pairs * (dim_hint(q.shape[-1]) + dim_hint(v.shape[-1])) * (2.5 if back else 1.0))
+    if "linear_cross_entropy" in name and isinstance(n.args[0], fx.Node):   # the fused LM head + loss (ir_ops)
+        from .ir_ops import DEFAULT_CHUNK_BYTES, chunk_rows, weight_grad_block
+        h, w = n.args[0].meta["val"], n.args[1].meta["val"]
+        hidden = dim_hint(h.shape[-1])
+        rows, vocab = _numel(h) // max(1, hidden), dim_hint(w.shape[0])
+        grad_hidden, grad_weight = bool(n.args[5]), bool(n.args[6])
+        # the logits, then d_hidden and d_weight from them; d_weight in a pass of its own
+        # recomputes the logits (runtime/kernels/chunked_ce.py)
+        chunk = chunk_rows(rows, vocab, h.dtype.itemsize, None, DEFAULT_CHUNK_BYTES)
+        again = grad_weight and weight_grad_block(rows, vocab, hidden, h.dtype.itemsize, chunk, None,
+                                                  DEFAULT_CHUNK_BYTES) is not None
+        return 2 * rows * vocab * hidden * (1 + grad_hidden + grad_weight + again)
     if "grouped_mm" in name and isinstance(n.args[0], fx.Node):
         x, w = n.args[0].meta["val"], n.args[1].meta["val"]
         rows, k, out = dim_hint(x.shape[0]), dim_hint(w.shape[-2]), dim_hint(w.shape[-1])
