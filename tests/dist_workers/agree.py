@@ -23,7 +23,9 @@ def main(failing: int) -> int:
     try:
         distributed.agree(topo, check, topo.rank, failing)
     except MegatrainError as e:
-        print(f"rank {topo.rank}: {type(e).__name__} exit {e.exit_code}: {e}", flush=True)
+        # (one write per line: two ranks share the pipe, and print's text and newline may interleave)
+        sys.stdout.write(f"rank {topo.rank}: {type(e).__name__} exit {e.exit_code}: {e}\n")
+        sys.stdout.flush()
         return e.exit_code
     finally:
         distributed.end(topo)
