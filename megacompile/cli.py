@@ -179,13 +179,22 @@ def _plan(args) -> int:
         ssd = dataclasses.replace(ssd, paths=tuple(nvme_paths))
     plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
                       slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision,
-                      prepare=prepare, ssd=ssd, placement=placement, accum=accum or 1, gpus=args.gpus)
+                      prepare=prepare, ssd=ssd, placement=placement, accum=accum or 1, gpus=args.gpus,
+                      progress=_progress_on_terminal())
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
         print("megatrain: error: " + " ".join(plan.problems), file=sys.stderr)
         return 3
     return 0
+
+
+def _progress_on_terminal():
+    """Where a long command says what it is doing: stderr when a person watches it (a terminal;
+    stdout holds the answer), nowhere for a script, whose stderr is the one error line."""
+    if not sys.stderr.isatty():
+        return None
+    return lambda text: print(text, file=sys.stderr, flush=True)
 
 
 def _train(args) -> int:

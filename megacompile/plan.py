@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 import warnings
 from dataclasses import asdict, dataclass, field
 
@@ -393,7 +394,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
                max_batch: int = 4096, options: dict | None = None, vision: str = "frozen",
                prepare=None, ssd: SSD | None = None, placement: str = "auto", accum: int = 1,
-               gpus: int = 1) -> Plan:
+               gpus: int = 1, progress=None) -> Plan:
     """Plan training `source` (preset, config.json, model directory or a transformers config) on
     `hardware`, with megatrain compile `options` (default as `megatrain train` compiles: the
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
@@ -405,8 +406,17 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     `gpus` > 1 plans data parallelism on one node (passes/data_parallel.py): every estimate is
     one GPU's step at its per-device batch, with its part of each fetch over PCIe, the
     all-gathers and fp32 reduce-scatters over the peer links (`peer_gbps`), the node's host
-    optimizer doing the one-GPU work; the host holds one copy of the state and a process per GPU."""
+    optimizer doing the one-GPU work; the host holds one copy of the state and a process per GPU.
+    `progress(text)`, if given, hears each capture as it starts (the CLI: on stderr), since a
+    long sequence's captures take tens of seconds."""
     options = {"logits": "drop", **(options or {})}
+    started = time.monotonic()
+
+    def capture(b: int, opts: dict, why: str) -> Capture:
+        if progress is not None:
+            progress(f"[megatrain] plan: compiling the first {prefix_len} layer(s) at batch {b} x seq {seq}{why} "
+                     f"({time.monotonic() - started:.0f} s so far) ...")
+        return _capture(config, prefix_len, b, seq, slots, dtype, hardware, opts)
     from .errors import ConfigError
     from .inspect import build_meta_model, check_positive
     from .vlm import VISION_MODES, is_vlm
@@ -459,7 +469,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     _check_floor(config, seq, dtype, capacity, source)   # (before the compile: seconds, not minutes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, options) for b in (2, 4)]
+        caps = [capture(b, options, "") for b in (2, 4)]
     m = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
 
     # layer checkpoints on the host when batch 1 does not fit with them on the device (what the
@@ -469,7 +479,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         offloading = {**options, "offload_checkpoints": "always"}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            caps = [_capture(config, prefix_len, b, seq, slots, dtype, hardware, offloading) for b in (2, 4)]
+            caps = [capture(b, offloading, ", layer checkpoints on the host") for b in (2, 4)]
         moved = _Model(kinds, prefix_len, caps[0], caps[1], hardware)
         if moved.device_peak(1) < m.device_peak(1):
             m, options, checkpoints_on_host = moved, offloading, True
@@ -523,7 +533,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
             break
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            cap = _capture(config, prefix_len, fit, seq, slots, dtype, hardware, options)
+            cap = capture(fit, options, ", to check the largest batch")
         measured = max(d.peak for d in cap.directions.values()) + int(m.extra_saved(fit))
         m.checked[fit] = measured
         if measured <= capacity:

@@ -420,13 +420,19 @@ def test_inspect_writes_the_checked_output(config_json, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().err
 
 
-def test_plan_says_host_ram_in_the_users_unit_and_refuses_an_impossible_seq_at_once(config_json, capsys):
+def test_plan_says_host_ram_in_the_users_unit_and_refuses_an_impossible_seq_at_once(config_json, capsys,
+                                                                                    monkeypatch):
     """--host-ram 1T is said back as "1T (931.32 GiB)"; a sequence whose layer boundary alone
     exceeds the device is refused (exit 3) before the compile, which at 100M tokens would unroll
     thousands of MLP tiles and take minutes."""
     import time
+    import megacompile.cli as cli
+    monkeypatch.setattr(cli.sys.stderr, "isatty", lambda: True, raising=False)   # (a person at a terminal)
     assert main(["plan", str(config_json), "--gpu", "h100", "--host-ram", "1T", "--seq", "64"]) == 0
-    assert "of 1T (931.32 GiB)" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "of 1T (931.32 GiB)" in captured.out
+    assert "[megatrain] plan: compiling the first 2 layer(s) at batch 2 x seq 64" in captured.err   # progress
+    monkeypatch.undo()
     start = time.perf_counter()
     assert main(["plan", "llama-3-8b", "--gpu", "h200", "--host-ram", "1T", "--seq", "100000000"]) == 3
     assert time.perf_counter() - start < 30   # (no compile: the meta model and one comparison)
