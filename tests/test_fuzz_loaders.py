@@ -112,3 +112,18 @@ def test_the_cli_turns_a_fuzzed_config_into_one_line(tmp_path, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len([x for x in err.splitlines() if x.startswith("megatrain: error:")]) == 1
+
+
+def test_an_empty_required_key_shows_a_value_not_its_empty_default():
+    with pytest.raises(MegatrainError, match=r"output_dir has no value: give one \(e\.g\. output_dir: saves/"):
+        from_mapping({**BASE, "output_dir": None})
+
+
+def test_the_projects_sample_data_reads_every_column_it_has(tok, own_cache):
+    """examples/data maps the system columns its records carry: no "column ... not read" note."""
+    examples_dir = Path(__file__).resolve().parents[1] / "examples" / "data"
+    said = []
+    cfg = from_mapping({**BASE, "dataset": "alpaca_demo,sharegpt_demo", "dataset_dir": str(examples_dir),
+                        "cutoff_len": 128})
+    build_examples(cfg, tok, say=said.append)
+    assert not any("not read" in s for s in said), said

@@ -308,6 +308,8 @@ def test_cli_trains_on_tool_calls_with_an_lf_template_and_refuses_unknown_names(
     assert main(["train", str(good)]) == 0
     out = capsys.readouterr().out
     assert "2 skipped (LLaMA-Factory skips them too: a record must alternate user and assistant turns" in out
+    # the first step's compile says what it is doing as it happens (compile_progress.py)
+    assert "[megatrain] compiling LlamaForCausalLM: Dynamo traces" in out and "compiled in" in out
     assert "# Tools" in out and '<tool_call>\n{"name": "get_exchange_rate"' in out   # the first example, shown
     for extra, message in (("template: qwen2.5\n", "template='qwen2.5' is not a LLaMA-Factory template"),
                            ("template: qwen\ntool_format: hermes\n", "tool_format='hermes'")):
