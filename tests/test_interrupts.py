@@ -99,3 +99,24 @@ def test_a_second_ctrl_c_while_unwinding_is_quiet(capsys):
     assert cleaned == [True]
     assert capsys.readouterr().err == ""
     assert signal.getsignal(signal.SIGINT) is before   # restored
+
+
+def test_a_first_signal_swallowed_by_a_finalizer_is_delivered_again():
+    """The handler raises wherever the main thread is; inside a finalizer Python drops the
+    exception and the run would go on (a SIGTERM that never stops the run): it is raised again."""
+    import gc
+
+    def finalizer_running_the_handler():
+        class Dropper:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(50):
+                    time.sleep(0.01)   # (the handler raises in here, inside __del__: dropped)
+        Dropper()
+        gc.collect()
+
+    with interrupts.handled():
+        with pytest.raises(interrupts.Terminated):
+            finalizer_running_the_handler()
+            for _ in range(200):
+                time.sleep(0.01)       # the signal delivered again raises here
