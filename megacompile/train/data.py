@@ -90,6 +90,12 @@ _hub_reachable = hub_reachable   # (model_source.py's name for it)
 
 
 # formatting -------------------------------------------------------------------------
+def _shown(value, width: int = 40) -> str:
+    """A record's value as a message quotes it: its repr, cut to `width` characters."""
+    text = repr(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def _text(value) -> str:
     return "" if value is None else str(value)
 
@@ -128,10 +134,9 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, name: str) -> lis
              tg["observation_tag"]: "observation", tg["function_tag"]: "function"}
     turns = record[cols["messages"]] or []
     if not isinstance(turns, (list, tuple)):
-        shown = repr(turns) if len(repr(turns)) <= 40 else repr(turns)[:37] + "..."
         raise DataError(f"data set {name!r} (sharegpt): a record's {cols['messages']!r} is "
-                        f"{type(turns).__name__} {shown}, not a list of turns; fix the record (or columns.messages "
-                        "in dataset_info.json).")
+                        f"{type(turns).__name__} {_shown(turns)}, not a list of turns; fix the record (or "
+                        "columns.messages in dataset_info.json).")
     turns = list(turns)
     messages = []
     first = turns[0] if turns and isinstance(turns[0], dict) else {}
@@ -266,8 +271,7 @@ def _not_text(record: dict, attr: DatasetAttr) -> str | None:
     value = record.get(column)
     if isinstance(value, str):
         return None
-    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-    return f"its {column!r} is {'null' if value is None else type(value).__name__ + ' ' + shown}, not text"
+    return f"its {column!r} is {'null' if value is None else type(value).__name__ + ' ' + _shown(value)}, not text"
 
 
 def skip_summary(counts: dict) -> str:

@@ -211,8 +211,7 @@ def run_files(out: Path) -> list[Path]:
     # `runs/` of some other tool's output folder is not ours to delete
     partial = [p for p in out.iterdir() if proven and p.is_dir() and not p.is_symlink()
                and (p.name.endswith(".tmp") and _RUN_FILE.match(p.name) or p.name in (EXPORT_TMP, RETIRED))]
-    tops = [n for n in (PLOT, *TRACKER_DIRS) if log] + [n for n in (LOG_NAME,) if log] + \
-        [EXPORT_MANIFEST] * bool(exported) + sorted(exported)
+    tops = ([LOG_NAME, PLOT, *TRACKER_DIRS] if log else []) + ([EXPORT_MANIFEST, *sorted(exported)] if exported else [])
     return saved + partial + [out / n for n in dict.fromkeys(tops) if (out / n).exists()]
 
 

@@ -177,13 +177,13 @@ def _known_digests() -> dict:
         return {}
 
 
-def _stale_conversions(config, digests: dict[str, str]) -> set[str]:
+def _stale_conversions(config, attrs: dict[str, DatasetAttr], digests: dict[str, str]) -> set[str]:
     """The file data sets whose contents changed since they were last read (or all of them,
     with overwrite_cache): datasets must convert them again rather than reuse its cache."""
     from .sources import data_path
     known, stale = _known_digests(), set()
     for name, digest in digests.items():
-        attr = _attr(config, name)
+        attr = attrs[name]
         if attr.load_from != "file":
             continue
         where = str(data_path(attr, config.dataset_dir, config.allow_outside_dataset_dir))
@@ -219,13 +219,11 @@ def tokenized(config, tokenizer, template, images=None, say=None):
     datasets.disable_progress_bars()
     if config.tokenized_path and _has_data(Path(config.tokenized_path)):
         return _load_tokenized_path(Path(config.tokenized_path), say)
-    raws = {}
-    digests = {}
-    for name in config.datasets:
-        attr = _attr(config, name)
+    raws, digests, attrs = {}, {}, {name: _attr(config, name) for name in config.datasets}
+    for name, attr in attrs.items():
         raws[name] = None if attr.load_from == "file" else _load(attr, config)
         digests[name] = source_digest(attr, config, raws[name])
-    fresh = _stale_conversions(config, digests)
+    fresh = _stale_conversions(config, attrs, digests)
     key = cache_key(config, tokenizer, template, digests)
     entry = cache_root() / "tokenized" / key
     target = Path(config.tokenized_path) if config.tokenized_path else None
