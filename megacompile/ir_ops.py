@@ -47,6 +47,11 @@ def chunk_rows(n_rows: int, vocab: int, itemsize: int, chunk_size: int | None, c
     return max(1, min(int(chunk_size), max(n_rows, 1)))
 
 
+def block_like_rows(rows: int, vocab: int, n_rows: int) -> int:
+    """Vocabulary rows per block holding as many logits as a chunk of `rows` rows."""
+    return max(1, min(vocab, rows * vocab // max(n_rows, 1)))
+
+
 def weight_grad_block(n_rows: int, vocab: int, n_hidden: int, itemsize: int, rows: int,
                       chunk_size: int | None, chunk_bytes: int) -> int | None:
     """Vocabulary rows per block of the LM head's weight gradient when it is computed in a
@@ -59,8 +64,8 @@ def weight_grad_block(n_rows: int, vocab: int, n_hidden: int, itemsize: int, row
     memory than dropping them."""
     if rows >= n_rows or 4 * n_hidden <= n_rows * itemsize:
         return None
-    if chunk_size is not None:   # (the same number of logits per block as per row chunk)
-        return max(1, min(vocab, rows * vocab // max(n_rows, 1)))
+    if chunk_size is not None:
+        return block_like_rows(rows, vocab, n_rows)
     return max(1, min(vocab, chunk_bytes // max(1, n_rows * (itemsize + 4))))
 
 

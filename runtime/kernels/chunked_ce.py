@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from ...ir_ops import DEFAULT_CHUNK_BYTES, chunk_rows, weight_grad_block  # (the sizing the memory plan counts)
+# (the sizing the memory plan counts)
+from ...ir_ops import DEFAULT_CHUNK_BYTES, block_like_rows, chunk_rows, weight_grad_block
 
 IGNORE_INDEX = -100
 
@@ -112,8 +113,7 @@ def loss_and_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     single = rows >= n_rows
     block = weight_grad_block(n_rows, vocab, n_hidden, h2.element_size(), rows, chunk_size, chunk_bytes)
     if weight_pass != "auto" and not single:
-        block = None if weight_pass == "accumulate" else \
-            (block or max(1, min(vocab, rows * vocab // max(n_rows, 1))))
+        block = None if weight_pass == "accumulate" else (block or block_like_rows(rows, vocab, n_rows))
     in_blocks = need_weight and block is not None
     grad_weight = None
     if need_weight and not single and not in_blocks:
