@@ -1,4 +1,4 @@
-"""The host optimizer step against torch's AdamW and the machine's copy bandwidth.
+"""The host optimizer step against torch's AdamW and the machine's memory bandwidth.
 
 One flat fp32 parameter of N elements (its gradient, both moments; for the bf16 rows also the
 bf16 transfer copy the step must refresh), stepped by:
@@ -6,15 +6,23 @@ bf16 transfer copy the step must refresh), stepped by:
     (30 bytes/param), and without the copy (28);
   - torch.optim.AdamW fused=True (torch's fused CPU kernel), then the bf16 copy (28 + 6);
   - torch.optim.AdamW foreach=True (the default multi-tensor path), then the bf16 copy.
-The limit is a STREAM-style copy measured in the same run (`dst.copy_(src)` on 4N-byte fp32
-buffers: 8N bytes moved). GB/s counts the bytes an update must move (reads + writes), so the
-ratio to the copy bandwidth says how close a step is to the memory system's limit. Medians.
+The limit is measured in the same run on the same threads (megacompile/host_probe.py): a copy
+(c = a, 8 B/element), a triad (c = a + s*b, 12) and an in-place update (c += s*b, 12; in place as
+AdamW's buffers are, so no write-allocate reads go uncounted); the memory bandwidth is the best
+of the three. GB/s counts the bytes an update must move (reads + writes). Medians.
+
+The host's whole pass per step, before and after the landing kernel: a bf16 gradient landing
+from the device is added into the fp32 gradient (torch's mixed-dtype add_ against the kernel's
+`land`, which also takes the squared norm), then the clipping norm (a pass of its own before;
+none now), then AdamW.
 
 Per tensor or flat: HostAdamW steps each parameter with one kernel call (no flat buffer that
 would tie the optimizer's layout to the store's). The last rows measure what that costs:
 `HostAdamW.step()` over one decoder layer's 12 tensors (Qwen2.5-7B's shapes, hidden size scaled
 so the layer has N parameters; fp32 masters with bf16 transfer copies) against the same step
 over one flat tensor of the same size.
+
+The last line is `host adamw: <X> GB/s, <F> of the measured memory bandwidth (<B> GB/s)`.
 
     python benchmarks/cpu_adam.py [--params 64e6 --repeat 7 --threads N]
 """
@@ -26,7 +34,8 @@ import time
 
 import torch
 
-from megacompile.runtime.adamw import kernel
+from megacompile.host_probe import interleaved_medians, stream_ops, usable_cores
+from megacompile.runtime.host_kernels import kernel, land, squared_norm
 
 
 def median_seconds(fn, repeat: int) -> float:
@@ -43,20 +52,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", type=float, default=64e6, help="parameters in the flat buffer (default 64e6)")
     ap.add_argument("--repeat", type=int, default=7)
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="threads (default: the cores this process may use: affinity and cgroup quota)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    cores, why = (args.threads, "--threads") if args.threads else usable_cores()
+    torch.set_num_threads(cores)
     n = int(args.params)
     ext = kernel()
     if ext is None:
         raise SystemExit("the fused kernel could not be built here (see the warning): nothing to compare")
-    print(f"{n / 1e6:.0f}M parameters, {torch.get_num_threads()} threads, torch {torch.__version__}")
-
-    src, dst = torch.rand(n), torch.empty(n)
-    copy_s = median_seconds(lambda: dst.copy_(src), args.repeat)  # noqa: F821
-    copy_gbps = 8 * n / copy_s / 1e9
-    del src, dst
+    print(f"{n / 1e6:.0f}M parameters, {cores} threads ({why}), torch {torch.__version__}")
 
     g = torch.Generator().manual_seed(0)
     param = torch.nn.Parameter(torch.randn(n, generator=g))
@@ -84,30 +89,47 @@ def main() -> None:
         return run
 
     fused, foreach = torch_opt(fused=True), torch_opt(foreach=True)
+    arriving = torch.randn(n, generator=g).to(torch.bfloat16)   # a bf16 gradient from the device
     rows = [("megatrain HostAdamW + bf16 copy (one pass)", ours(True), 30),
             ("megatrain HostAdamW, no copy", ours(False), 28),
             ("torch AdamW fused + bf16 copy", fused(True), 34),
             ("torch AdamW fused, no copy", fused(False), 28),
-            ("torch AdamW foreach + bf16 copy", foreach(True), 34)]
-    print(f"\ncopy bandwidth (STREAM-style dst.copy_(src)): {copy_gbps:.1f} GB/s\n")
-    print(f"{'step':<44} {'ms':>8} {'Mparam/s':>10} {'GB/s':>8} {'of copy':>8}")
-    results = {}
-    for name, fn, bytes_per_param in rows:
-        s = median_seconds(fn, args.repeat)
-        results[name] = s
+            ("torch AdamW foreach + bf16 copy", foreach(True), 34),
+            ("landing: torch grad.add_(bf16)", lambda: param.grad.add_(arriving), 10),  # noqa: F821
+            ("landing: land(grad, bf16) + its norm", lambda: land(param.grad, arriving, True), 10),  # noqa: F821
+            ("norm pass (what the landing now takes)", lambda: squared_norm(param.grad), 4)]  # noqa: F821
+    # every row and the bandwidth probes in turn, round after round (host_probe.interleaved_medians)
+    streams, stream_bytes = stream_ops(n)
+    results = interleaved_medians({**streams, **{name: fn for name, fn, _ in rows}}, args.repeat)
+    copy, triad, update = (stream_bytes[k] / results[k] / 1e9 for k in ("copy", "triad", "update"))
+    bandwidth = max(copy, triad, update)
+    print(f"\nmemory bandwidth: copy {copy:.1f} GB/s, triad {triad:.1f} GB/s, in-place update {update:.1f} GB/s "
+          f"-> {bandwidth:.1f} GB/s\n")
+    print(f"{'step':<44} {'ms':>8} {'Mparam/s':>10} {'GB/s':>8} {'of bw':>8}")
+    for name, _, bytes_per_param in rows:
+        s = results[name]
         gbps = bytes_per_param * n / s / 1e9
-        print(f"{name:<44} {s * 1e3:>8.1f} {n / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / copy_gbps:>7.0%}")
-    del param, low, m, v, fused, foreach
+        print(f"{name:<44} {s * 1e3:>8.1f} {n / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / bandwidth:>7.0%}")
+    del streams
+    del param, low, m, v, fused, foreach, arriving
 
     layer_s, flat_s, total = per_tensor_vs_flat(n, args.repeat)
     for name, s in (("HostAdamW.step(), a layer's 12 tensors", layer_s), ("HostAdamW.step(), one flat tensor", flat_s)):
         gbps = 30 * total / s / 1e9
-        print(f"{name:<44} {s * 1e3:>8.1f} {total / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / copy_gbps:>7.0%}")
+        print(f"{name:<44} {s * 1e3:>8.1f} {total / s / 1e6:>10.0f} {gbps:>8.1f} {gbps / bandwidth:>7.0%}")
     ours_s = results["megatrain HostAdamW + bf16 copy (one pass)"]
+    before = (results["landing: torch grad.add_(bf16)"] + results["norm pass (what the landing now takes)"]
+              + results["torch AdamW fused + bf16 copy"])
+    after = results["landing: land(grad, bf16) + its norm"] + ours_s
     print(f"\nspeed-up of the bf16 step over torch fused + copy: "
           f"{results['torch AdamW fused + bf16 copy'] / ours_s:.2f}x,"
           f" over torch foreach + copy: {results['torch AdamW foreach + bf16 copy'] / ours_s:.2f}x")
+    print(f"the host's pass per step (landing + norm + AdamW + copy): torch {before * 1e3:.1f} ms, "
+          f"megatrain {after * 1e3:.1f} ms ({before / after:.2f}x)")
     print(f"per-tensor steps over a layer vs one flat tensor: {layer_s / flat_s:.3f}x the time")
+    gbps = 30 * n / ours_s / 1e9
+    print(f"host adamw: {gbps:.1f} GB/s, {gbps / bandwidth:.2f} of the measured memory bandwidth "
+          f"({bandwidth:.1f} GB/s)")
 
 
 def layer_shapes(n: int) -> list[tuple[int, ...]]:

@@ -138,7 +138,10 @@ OPTIMIZER_BYTES_PER_PARAM = 32
 
 
 def optimizer_seconds(trainable_params: int, hw: Hardware) -> float:
-    """The CPU AdamW step over fp32 masters: host-memory bound."""
+    """The CPU AdamW step over fp32 masters: the measured rate where the profile has one
+    (`optimizer_gparams`: host_probe.py), else host-memory bound at the profile's bandwidth."""
+    if hw.optimizer_gparams:
+        return trainable_params / (hw.optimizer_gparams * 1e9)
     return trainable_params * OPTIMIZER_BYTES_PER_PARAM / hw.optimizer_bytes_per_s
 
 

@@ -10,6 +10,7 @@ A profile is a small JSON object. All rates are sustained figures, not datasheet
      "device_memory_gib": 141,    # usable device memory
      "host_memory_gbps": 200,     # host DRAM bandwidth
      "optimizer_gbps": 100,       # bytes/s the CPU optimizer streams (AdamW moves ~32 B/param)
+     "optimizer_gparams": 0,      # or its rate in 1e9 parameters/s, as measured (0: from optimizer_gbps)
      "overlap": true,             # copies run on their own streams, concurrently with compute
      "measure_ops": false}        # time each op here instead of rooflines (only for this machine)
 
@@ -43,6 +44,10 @@ from pathlib import Path
 
 import torch
 
+from .cgroup import cgroup_dirs as _cgroup_dirs
+from .cgroup import read_int as _read_int
+from .cgroup import read_text as _read
+from .cgroup import stat_value as _stat_value
 from .errors import ConfigError
 
 
@@ -57,6 +62,7 @@ class Hardware:
     device_memory_gbps: float = 2000.0
     op_overhead_us: float = 5.0
     optimizer_gbps: float = 0.0          # 0: half of host_memory_gbps
+    optimizer_gparams: float = 0.0       # the host AdamW's measured rate, 1e9 parameters/s (0: from optimizer_gbps)
     overlap: bool = True
     measure_ops: bool = False            # time ops on this machine instead of rooflines (cost_model.py)
     # data parallelism (plan --gpus): the all-gather / reduce-scatter bus bandwidth between the
@@ -87,7 +93,8 @@ NAMES = (*BUILTIN, "cpu")
 _REQUIRED = ("name", "compute_tflops", "h2d_gbps", "d2h_gbps", "device_memory_gib", "host_memory_gbps")
 _POSITIVE = ("compute_tflops", "h2d_gbps", "d2h_gbps", "device_memory_gib", "host_memory_gbps", "device_memory_gbps",
              "peer_gbps")
-_NON_NEGATIVE = ("op_overhead_us", "optimizer_gbps", "peer_latency_us")   # optimizer_gbps 0: half of host_memory_gbps
+# (optimizer_gbps 0: half of host_memory_gbps; optimizer_gparams 0: from optimizer_gbps)
+_NON_NEGATIVE = ("op_overhead_us", "optimizer_gbps", "optimizer_gparams", "peer_latency_us")
 _BOOLS = ("overlap", "measure_ops")
 
 
@@ -106,7 +113,7 @@ def _value_problems(data: dict) -> list[str]:
             bad.append(f"{shown} must be a finite number > 0")
         elif key in _NON_NEGATIVE and not (_is_number(value) and value >= 0):
             bad.append(f"{shown} must be a finite number >= 0"
-                       + (" (0: the default)" if key == "optimizer_gbps" else ""))
+                       + (" (0: the default)" if key in ("optimizer_gbps", "optimizer_gparams") else ""))
         elif key in _BOOLS and not isinstance(value, bool):
             bad.append(f"{shown} must be true or false")
     return bad
@@ -258,57 +265,10 @@ def _best_of(fn, repeat: int, inner: int = 1, sync=None) -> float:
     return best
 
 
-@functools.lru_cache(maxsize=None)
-def _host_rates() -> tuple[float, float]:
-    """(bytes/s of one 64 MiB host copy, bytes/s torch.optim.AdamW streams over 16M fp32
-    parameters at 32 B per parameter), measured once per process."""
-    big = 16 * 2**20  # fp32 elements: 64 MiB
-    x, z = torch.ones(big), torch.empty(big)
-    t_copy = _best_of(lambda: z.copy_(x), 5)  # noqa: F821
-    del x, z
-    params = [torch.nn.Parameter(torch.zeros(2 * 2**20)) for _ in range(8)]
-    for p in params:
-        p.grad = torch.ones_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3)
-    t_opt = _best_of(opt.step, 3)
-    del params, opt
-    return big * 4 / t_copy, 32 * 16 * 2**20 / t_opt
-
-
 # -- host memory ------------------------------------------------------------------------------
 
 def _fmt_gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.1f} GiB"
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-
-
-def _read_int(path: Path) -> int | None:
-    text = _read(path)
-    try:
-        return int(text.strip()) if text is not None else None
-    except ValueError:
-        return None
-
-
-def _stat_value(path: Path, key: str) -> int:
-    for line in (_read(path) or "").splitlines():
-        parts = line.split()
-        if len(parts) == 2 and parts[0] == key and parts[1].isdigit():
-            return int(parts[1])
-    return 0
-
-
-def _cgroup_dirs(base: Path, rel: str) -> list[Path]:
-    """`base/rel` and its ancestors up to `base`, innermost first, those that exist."""
-    parts = [p for p in rel.split("/") if p not in ("", ".", "..")]
-    dirs = [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
-    return [d for d in dirs if d.is_dir()]
 
 
 #: a cgroup v1 limit at least this large is "no limit" (the kernel writes ~2^63 rounded to pages)
@@ -388,9 +348,9 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> Hardware:
 
     compute: a 1024^3 matmul in `dtype`; memory: an out-of-place add over 64 MiB tensors (read
     2, write 1); transfer: a 64 MiB copy (what a CPU "prefetch" is); op overhead: a dispatched
-    aten op on a tiny tensor; optimizer: torch.optim.AdamW over 16M fp32 parameters (the optimizer
-    a user passes), expressed as the bytes/s it streams (32 B per parameter). Device memory: the
-    host RAM this process can use (`host_memory_bytes`).
+    aten op on a tiny tensor; host memory bandwidth and the optimizer: `host_probe.probed_host()`
+    (copy, triad and update bandwidth and the host AdamW kernel's parameters/s on the cores this
+    process may use). Device memory: the host RAM this process can use (`host_memory_bytes`).
     Takes about two seconds; cached per process.
     """
     n = 1024
@@ -403,17 +363,18 @@ def measure_cpu(dtype: torch.dtype = torch.float32) -> Hardware:
     add = torch.ops.aten.add.Tensor
     t_op = _best_of(lambda: add(tiny, tiny), 5, inner=200)
     del x, y, z
-    copy_bps, optimizer_bps = _host_rates()
+    from .host_probe import probed_host
+    host = probed_host()
     return Hardware(
         name="cpu",
         compute_tflops=2 * n**3 / t_mm / 1e12,
-        h2d_gbps=copy_bps / 1e9,   # bytes moved per second by one copy
-        d2h_gbps=copy_bps / 1e9,
+        h2d_gbps=host.copy_gbps / 2,   # bytes copied per second (the probe counts read + write)
+        d2h_gbps=host.copy_gbps / 2,
         device_memory_gib=host_memory_bytes() / 2**30,
-        host_memory_gbps=2 * copy_bps / 1e9,   # a copy reads and writes
+        host_memory_gbps=host.bandwidth_gbps,
         device_memory_gbps=3 * big * 4 / t_add / 1e9,
         op_overhead_us=t_op * 1e6,
-        optimizer_gbps=optimizer_bps / 1e9,
+        optimizer_gparams=host.adamw_params_per_s / 1e9,
         overlap=False,
         measure_ops=True,
     )
@@ -429,7 +390,7 @@ def measure_gpu(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, n:
     compute: an n^3 matmul in `dtype` (2 n^3 FLOPs); H2D / D2H: one `link_bytes` copy between a
     pinned host buffer and the device; device memory: an out-of-place fp32 add over
     `memory_bytes` tensors (read 2, write 1); op overhead: a tiny add, dispatch to completion;
-    host memory and optimizer: as `measure_cpu` (a host copy; torch's AdamW). Every timing is
+    host memory and optimizer: as `measure_cpu` (`host_probe.probed_host()`). Every timing is
     best-of, between device synchronizes. Peak device use about 3 x memory_bytes (768 MiB); a few
     seconds; cached per device and dtype.
     """
@@ -469,7 +430,8 @@ def measure_gpu(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, n:
                 host_empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
                 if host_empty is not None:
                     host_empty()
-    copy_bps, optimizer_bps = _host_rates()
+    from .host_probe import probed_host
+    rates = probed_host()
     slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-").removeprefix("nvidia-") or "gpu"
     return Hardware(
         name=f"{slug}-measured",
@@ -477,10 +439,10 @@ def measure_gpu(device: torch.device, dtype: torch.dtype = torch.bfloat16, *, n:
         h2d_gbps=link_bytes / t_h2d / 1e9,
         d2h_gbps=link_bytes / t_d2h / 1e9,
         device_memory_gib=total / 2**30,
-        host_memory_gbps=2 * copy_bps / 1e9,
+        host_memory_gbps=rates.bandwidth_gbps,
         device_memory_gbps=3 * elems * 4 / t_add / 1e9,
         op_overhead_us=t_op * 1e6,
-        optimizer_gbps=optimizer_bps / 1e9,
+        optimizer_gparams=rates.adamw_params_per_s / 1e9,
         overlap=cuda,
         measure_ops=False,
     )

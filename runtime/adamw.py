@@ -24,35 +24,14 @@ from __future__ import annotations
 import enum
 import math
 import os
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
+from .host_kernels import kernel, squared_norm
 from .store import LOW_PRECISION, _master_entry, entry_of
-
-_KERNEL: list = []   # [module or None], loaded once
-
-
-def kernel():
-    """The compiled C++ kernel module, or None when it cannot be built here."""
-    if not _KERNEL:
-        try:
-            from torch.utils.cpp_extension import load
-            _KERNEL.append(load(name="megatrain_adamw", sources=[str(Path(__file__).with_name("csrc") / "adamw.cpp")],
-                                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off",
-                                              "-fopenmp"],
-                                extra_ldflags=["-fopenmp"], verbose=False))
-        except Exception as e:  # no compiler / ninja: torch's fused kernel + a copy
-            warnings.warn(f"megatrain: the fused host AdamW kernel could not be built ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0] if str(e) else ''}); using torch's fused AdamW and a separate "
-                          "copy (install ninja and a C++ compiler for the fused kernel).", stacklevel=2)
-            _KERNEL.append(None)
-    return _KERNEL[0]
-
 
 #: HostAdamW's `overlap` values (also accepted by `megatrain train`'s overlap_optimizer)
 OVERLAP_MODES = (False, True, "none", "forward", "backward")
@@ -74,15 +53,6 @@ class Speculation(enum.Enum):
     READY = "ready"     # the next arm() speculates
     ARMED = "armed"     # between arm() and step()/discard(): updates start as gradients land
     PAUSED = "paused"   # the last step was clipped: the next arm() does nothing, step() updates
-
-
-def squared_norm(t: torch.Tensor, threads: int = 0) -> float:
-    """sum(t ** 2) in double: the C++ kernel over a host fp32 gradient (all cores; torch's
-    vector_norm there runs on one), torch elsewhere. `threads` as in `HostAdamW._update`."""
-    ext = kernel() if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
-    if ext is not None:
-        return ext.sum_squares(t, threads)
-    return float(torch.linalg.vector_norm(t, 2.0, dtype=torch.float64)) ** 2
 
 
 def _hyper(group: dict) -> tuple:
@@ -235,10 +205,13 @@ class HostAdamW(torch.optim.Optimizer):
         return self._topo
 
     def _squares(self, p, grad, threads: int = 0) -> float:
-        """sum(grad ** 2) over the elements this rank updates."""
+        """sum(grad ** 2) over the elements this rank updates: as the gradient's landing took it
+        (runtime/store.py `landed_squares`, no pass of its own), or now."""
         pieces = self._pieces(p)
         if pieces is None:
-            return squared_norm(grad, threads)
+            entry = entry_of(p)
+            landed = entry.landed_squares(grad) if entry is not None else None
+            return landed if landed is not None else squared_norm(grad, threads)
         flat = grad.view(-1)
         return sum(squared_norm(flat[a:b], threads) for a, b in pieces)
 

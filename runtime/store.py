@@ -22,6 +22,8 @@ import torch
 import torch.optim.optimizer as _optim
 from torch import nn
 
+from .host_kernels import land
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -54,6 +56,9 @@ class WeightEntry:
     shards: tuple | None = None        # per local rank: [(start, end), ...]
     rank: int = 0                      # this process's local rank (its ranges: shards[rank])
     shared: bool = False               # its transfer copy (p.data) is in the node heap
+    # (gradient weakref, its version, sum of its squares) taken as it last landed (add_host_grad):
+    # the clipping norm reads it instead of a pass over the gradient after the backward
+    grad_squares: tuple | None = None
 
     @property
     def pieces(self) -> list[tuple[int, int]] | None:
@@ -116,7 +121,9 @@ class WeightEntry:
 
     def add_host_grad(self, host: torch.Tensor, rows: list[int] | None = None, borrowed: bool = False) -> None:
         """Add a host gradient (all rows, or `rows` of dim 0) into `param.grad` as fp32.
-        `borrowed`: `host` is reused afterwards (a gradient slab), so it never becomes the grad."""
+        `borrowed`: `host` is reused afterwards (a gradient slab), so it never becomes the grad.
+        The add or the widening copy is the host kernel's `land`, which takes the new gradient's
+        squared norm in the same pass (`landed_squares`)."""
         p = self.param
         self.wait_ready()   # (the optimizer may still read the previous step's gradient)
         want = torch.float32 if p.dtype in LOW_PRECISION or p.dtype == torch.float32 else p.dtype
@@ -126,14 +133,31 @@ class WeightEntry:
             full[torch.tensor(rows, dtype=torch.long)] = host.to(want)
             host = full
         if p.grad is not None:
-            p.grad.add_(host)   # (a bf16 host gradient is widened inside the add: no fp32 temporary)
+            # (a bf16 host gradient is widened inside the add: no fp32 temporary)
+            self._landed(p.grad, land(p.grad, host, add=True))
             return
+        squares = None
         spare = self._take_spare(host.shape, want)   # (taken either way: an unused one is let go)
         if spare is not None and (host.dtype != want or borrowed):   # a new tensor either way: this one
-            host, borrowed = spare.copy_(host), False
-        if host.dtype != want:
-            host, borrowed = host.to(want), False
-        assign_grad(p, host.clone(memory_format=torch.contiguous_format) if borrowed else host.contiguous())
+            squares, host, borrowed = land(spare, host, add=False), spare, False
+        if host.dtype != want or borrowed:
+            fresh = torch.empty(host.shape, dtype=want)
+            squares, host = land(fresh, host, add=False), fresh
+        # (a host tensor adopted as the grad as it is was not read: its norm is taken when asked)
+        grad = host.contiguous()
+        assign_grad(p, grad)
+        self._landed(grad, squares)
+
+    def _landed(self, grad: torch.Tensor, squares: float | None) -> None:
+        self.grad_squares = (weakref.ref(grad), grad._version, squares) if squares is not None else None
+
+    def landed_squares(self, grad: torch.Tensor) -> float | None:
+        """sum(grad ** 2) as it was taken when `grad` last landed, if it is still that gradient
+        unchanged (the same tensor at the same version: a user's in-place clipping moves it)."""
+        taken = self.grad_squares
+        if taken is None or taken[0]() is not grad or taken[1] != grad._version:
+            return None
+        return taken[2]
 
     def add_grad_piece(self, host: torch.Tensor | None, piece: tuple[int, int] | None) -> None:
         """Data parallelism: add this rank's summed part `host` (fp32, flat) of the gradient into

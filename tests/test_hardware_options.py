@@ -131,7 +131,7 @@ def test_measure_gpu_code_path_runs_on_a_cpu_device():
     hw = measure_gpu(torch.device("cpu"), torch.float32, n=128, link_bytes=2**20, memory_bytes=2**20)
     assert hw.name == "cpu-measured" and not hw.overlap and not hw.measure_ops
     for key in ("compute_tflops", "h2d_gbps", "d2h_gbps", "device_memory_gib", "host_memory_gbps",
-                "device_memory_gbps", "op_overhead_us", "optimizer_gbps"):
+                "device_memory_gbps", "op_overhead_us", "optimizer_gparams"):
         value = getattr(hw, key)
         assert math.isfinite(value) and value > 0, key
     assert load_hardware(hw) is hw   # a measured profile passes the profile checks

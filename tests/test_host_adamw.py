@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import megacompile  # noqa: F401  (registers the backend)
 from conftest import batch, tiny_model
-from megacompile.runtime import adamw
+from megacompile.runtime import adamw, host_kernels
 from megacompile.runtime.adamw import HostAdamW
+from megacompile.runtime import store
 from megacompile.runtime.store import master_weight
 
 # One float32 rounding step of difference from torch's kernels is allowed: torch's fused and
@@ -109,7 +110,7 @@ def test_fallback_without_the_kernel(monkeypatch):
     shapes = [(6, 7), (3,)]
     fast, slow = _params(shapes, 5), _params(shapes, 5)
     _run(HostAdamW, fast, 3, 5, 0.5, lr=1e-2, weight_decay=0.1)
-    monkeypatch.setattr(adamw, "_KERNEL", [None])
+    monkeypatch.setattr(host_kernels, "_KERNEL", [None])
     _run(HostAdamW, slow, 3, 5, 0.5, lr=1e-2, weight_decay=0.1)
     for p, q in zip(fast, slow):
         torch.testing.assert_close(p, q, **TOL)
@@ -158,6 +159,54 @@ def test_squared_norm_equals_torch_and_ignores_the_thread_count(n, scale, seed):
     got = adamw.squared_norm(g)
     assert got == pytest.approx(want, rel=1e-12)
     assert {adamw.squared_norm(g, threads) for threads in (1, 2, 3)} == {got}
+
+
+@settings(max_examples=15, deadline=None)
+@given(n=st.integers(1, 100_000), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       add=st.booleans(), threads=st.sampled_from([0, 1, 3]), seed=st.integers(0, 99))
+def test_a_landing_writes_what_torch_writes_and_takes_the_norm_in_the_same_pass(n, dtype, add, threads, seed):
+    """host_kernels.land: dst += src (or dst = src) bit for bit as torch's add_/copy_ (a bf16 or
+    fp16 gradient widened exactly), returning the squared norm of the new dst exactly as
+    squared_norm computes it (the same chunks and lanes), and moving dst's version as torch would."""
+    g = torch.Generator().manual_seed(seed)
+    src, dst = torch.randn(n, generator=g).to(dtype), torch.randn(n, generator=g)
+    want = dst.clone().add_(src) if add else src.float()
+    version = dst._version
+    squares = host_kernels.land(dst, src, add, threads)
+    assert torch.equal(dst, want)
+    assert squares == adamw.squared_norm(dst)
+    assert dst._version > version
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_clipping_norm_is_the_one_taken_as_gradients_landed(dtype, monkeypatch):
+    """After a megatrain backward (gradient accumulation: two micro-batches), each gradient's
+    squared norm was taken as it landed on the host, so grad_norm() reads no gradient again; it
+    equals torch's norm of the gradients. A user's in-place change of a gradient moves its
+    version: that gradient's norm is then taken again (never a stale one)."""
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=2, dtype=dtype)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
+    for step in range(2):
+        ids, mask, labels = batch(seed=step)
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    opt = HostAdamW(model.parameters(), lr=1e-3)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    want = float(torch.nn.utils.get_total_norm([g.double() for g in grads]))
+    landed = sum(store.entry_of(p).landed_squares(p.grad) is not None for p in model.parameters() if p.grad is not None)
+    assert landed == len(grads)   # (the second micro-batch's landing adds: its pass took the norm)
+    read = []
+    real = host_kernels.squared_norm
+    monkeypatch.setattr(adamw, "squared_norm", lambda t, threads=0: read.append(t) or real(t, threads))
+    assert opt.grad_norm() == pytest.approx(want, rel=1e-12)
+    assert len(read) == len(grads) - landed
+    p = next(p for p in model.parameters() if p.grad is not None)
+    p.grad.mul_(2.0)
+    read.clear()
+    norm = opt.grad_norm()
+    assert any(t is p.grad for t in read)
+    want = float(torch.nn.utils.get_total_norm([g.double() for g in grads]))
+    assert norm == pytest.approx(want, rel=1e-12)
 
 
 def test_spare_gradients_are_reused_only_when_nobody_holds_them():
@@ -225,7 +274,7 @@ def test_overlapped_step_equals_the_step_after_the_backward(dtype, monkeypatch):
     runs = {}
     for overlap in (False, True):
         if overlap:
-            monkeypatch.setattr(adamw, "_KERNEL", [Slow()])
+            monkeypatch.setattr(host_kernels, "_KERNEL", [Slow()])
         torch._dynamo.reset()
         model = tiny_model("llama", layers=3, dtype=dtype)
         cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
@@ -342,7 +391,7 @@ def test_updates_during_the_backward_equal_the_step_after_it(dtype, monkeypatch)
         def sum_squares(self, *args):
             return real.sum_squares(*args)
 
-    monkeypatch.setattr(adamw, "_KERNEL", [Slow()])
+    monkeypatch.setattr(host_kernels, "_KERNEL", [Slow()])
     got = _train_with_schedule(dtype, overlap="backward")
     _assert_same_training(got, want)
     counters = got[3]

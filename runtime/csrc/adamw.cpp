@@ -1,7 +1,11 @@
-// One pass of AdamW over a parameter's flat fp32 buffers on the host, writing its
-// low-precision transfer copy in the same pass (megacompile/runtime/adamw.py loads this).
+// The host's passes over a parameter's flat fp32 buffers (runtime/host_kernels.py loads this):
+//   adamw_step   AdamW, writing the low-precision transfer copy in the same pass (below);
+//   land         a gradient landing from the device, added into the fp32 gradient, its squared
+//                norm taken in the same pass (the clipping norm costs no pass of its own);
+//   sum_squares  a squared norm alone;
+//   stream_update  a memory-bandwidth probe with AdamW's access pattern.
 //
-// Per element, with g = grad * grad_scale (the clipping factor, applied here instead of in a
+// adamw_step, per element, with g = grad * grad_scale (the clipping factor, applied here instead of in a
 // separate pass over the gradients):
 //     p  = p * (1 - lr * weight_decay)                          decoupled weight decay
 //     m  = m + (1 - beta1) * (g - m)                            = lerp(m, g, 1 - beta1), as torch
@@ -16,6 +20,7 @@
 // fused AdamW followed by a separate copy pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -90,6 +95,70 @@ void check(const torch::Tensor& t, const char* name, int64_t n) {
               name, " must be a contiguous CPU float32 tensor with ", n, " elements");
 }
 
+// Sums of squares, in double, the same way wherever they are taken: one partial sum per fixed
+// chunk of kGrain elements (eight independent double lanes, element i of a chunk into lane i % 8,
+// a tail into lane 0), the partials added in chunk order. So the result depends neither on the
+// thread count nor on whether it was taken by sum_squares or by land.
+struct Lanes {
+  double lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  // x[b, e): (e - b) a multiple of 8 except for a chunk's last range
+  inline void add(const float* __restrict__ x, int64_t b, int64_t e) {
+    int64_t i = b;
+    for (; i + 8 <= e; i += 8) {
+      for (int k = 0; k < 8; ++k) lane[k] += static_cast<double>(x[i + k]) * static_cast<double>(x[i + k]);
+    }
+    for (; i < e; ++i) lane[0] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  }
+  inline double total() const {
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  }
+};
+
+// body(c) for each chunk c of [0, chunks): on torch's pool or on `threads` OpenMP threads; the
+// partials added in chunk order
+template <typename F>
+double chunked_sum(int64_t n, int64_t threads, const F& body) {
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
+  if (threads <= 0) {
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t c = begin; c < end; ++c) partial[static_cast<size_t>(c)] = body(c);
+    });
+  } else {
+#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) partial[static_cast<size_t>(c)] = body(c);
+  }
+  double total = 0.0;
+  for (double v : partial) total += v;
+  return total;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+
+// dst = src or dst += src (src widened to fp32 exactly: the same values torch's copy_/add_
+// write), and the sum of the squares of the new dst, block by block while it is in L1
+template <typename S>
+double land_impl(float* __restrict__ dst, const S* __restrict__ src, int64_t n, bool add, int64_t threads) {
+  return chunked_sum(n, threads, [&](int64_t c) {
+    const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
+    Lanes lanes;
+    for (int64_t s = b; s < e; s += kBlock) {
+      const int64_t t = std::min(e, s + kBlock);
+      if (add) {
+#pragma omp simd
+        for (int64_t i = s; i < t; ++i) dst[i] = dst[i] + widen(src[i]);
+      } else {
+#pragma omp simd
+        for (int64_t i = s; i < t; ++i) dst[i] = widen(src[i]);
+      }
+      lanes.add(dst, s, t);
+    }
+    return lanes.total();
+  });
+}
+
 }  // namespace
 
 int64_t adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
@@ -125,39 +194,53 @@ int64_t adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_av
   }
 }
 
-// The sum of the squares of a flat fp32 buffer (a gradient's squared L2 norm), in double: one
-// partial sum per fixed chunk, added in chunk order, so the result does not depend on the
-// thread count. (torch.linalg.vector_norm over a host gradient runs on one core: a 1.2B-parameter
-// model's norms measured 442 ms of a 1.8 s step on an H200 machine.)
+// The sum of the squares of a flat fp32 buffer (a gradient's squared L2 norm), in double (Lanes).
+// (torch.linalg.vector_norm over a host gradient runs on one core: a 1.2B-parameter model's
+// norms measured 442 ms of a 1.8 s step on an H200 machine.)
 double sum_squares(torch::Tensor t, int64_t threads) {
   const int64_t n = t.numel();
   check(t, "t", n);
   const float* x = t.data_ptr<float>();
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
-  std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-  auto body = [&](int64_t c) {
-    const int64_t b = c * kGrain, e = std::min(n, b + kGrain);
-    // eight independent double lanes (one add chain would run at the add's latency, not vectorized)
-    double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t i = b;
-    for (; i + 8 <= e; i += 8) {
-      for (int k = 0; k < 8; ++k) lanes[k] += static_cast<double>(x[i + k]) * static_cast<double>(x[i + k]);
-    }
-    for (; i < e; ++i) lanes[0] += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-    partial[static_cast<size_t>(c)] = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) +
-                                      ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  };
-  if (threads <= 0) {
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) body(c);
-    });
-  } else {
-#pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) body(c);
+  return chunked_sum(n, threads, [&](int64_t c) {
+    Lanes lanes;
+    lanes.add(x, c * kGrain, std::min(n, (c + 1) * kGrain));
+    return lanes.total();
+  });
+}
+
+// A memory-bandwidth probe with AdamW's access pattern and this file's compiler flags and
+// threading (megacompile/host_probe.py): a[i] = a[i] + s * b[i] in place (12 bytes/element:
+// read a and b, write a back; no write-allocate reads uncounted, as with AdamW's buffers).
+void stream_update(torch::Tensor a, torch::Tensor b, double scale, int64_t threads) {
+  const int64_t n = a.numel();
+  check(a, "a", n);
+  check(b, "b", n);
+  float* __restrict__ x = a.data_ptr<float>();
+  const float* __restrict__ y = b.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  parallel(n, threads, [&](int64_t begin, int64_t end) {
+#pragma omp simd
+    for (int64_t i = begin; i < end; ++i) x[i] = x[i] + s * y[i];
+  });
+}
+
+// A gradient landing on the host (runtime/store.py add_host_grad): dst (fp32) = src, or
+// dst += src when `add`, src fp32, bf16 or fp16; returns the squared L2 norm of the new dst as
+// sum_squares(dst) would, taken in the same pass. The global norm for clipping then needs no
+// pass of its own over the gradients after the backward.
+double land(torch::Tensor dst, torch::Tensor src, bool add, int64_t threads) {
+  const int64_t n = dst.numel();
+  check(dst, "dst", n);
+  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.numel() == n,
+              "src must be a contiguous CPU tensor with ", n, " elements");
+  float* d = dst.data_ptr<float>();
+  switch (src.scalar_type()) {
+    case torch::kFloat32: return land_impl(d, src.data_ptr<float>(), n, add, threads);
+    case torch::kBFloat16: return land_impl(d, src.data_ptr<c10::BFloat16>(), n, add, threads);
+    case torch::kHalf: return land_impl(d, src.data_ptr<c10::Half>(), n, add, threads);
+    default: TORCH_CHECK(false, "src must be float32, bfloat16 or float16");
   }
-  double total = 0.0;
-  for (double v : partial) total += v;
-  return total;
+  return 0.0;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -167,4 +250,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
              pybind11::call_guard<pybind11::gil_scoped_release>());
   module.def("sum_squares", &sum_squares, "sum of squares of a contiguous CPU float32 tensor, in double",
              pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("stream_update", &stream_update, "a += scale * b over contiguous CPU float32 tensors (a bandwidth "
+             "probe)", pybind11::call_guard<pybind11::gil_scoped_release>());
+  module.def("land", &land, "dst = src or dst += src (fp32 dst; src fp32/bf16/fp16), returning sum(dst ** 2) in "
+             "double as sum_squares does", pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -1,0 +1,66 @@
+"""The host's C++ passes over flat fp32 buffers (`csrc/adamw.cpp`), loaded once per process.
+
+    kernel().adamw_step(master, grad, m, v, low, ...)   AdamW + transfer copy, one pass (runtime/adamw.py)
+    land(dst, src, add)                                 dst (+)= src, returns sum(dst ** 2): a gradient
+                                                        landing with its squared norm (runtime/store.py)
+    squared_norm(t)                                     sum(t ** 2) alone
+
+The module is compiled on first use with torch's C++ extension builder and cached under
+~/.cache/torch_extensions. Without a compiler `kernel()` is None (a warning says so once) and
+the callers use torch ops instead: the same values, more passes over memory.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+_KERNEL: list = []   # [module or None]: a cache of the loaded module, not state that changes
+
+
+def kernel():
+    """The compiled C++ kernel module, or None when it cannot be built here."""
+    if not _KERNEL:
+        try:
+            from torch.utils.cpp_extension import load
+            _KERNEL.append(load(name="megatrain_adamw", sources=[str(Path(__file__).with_name("csrc") / "adamw.cpp")],
+                                extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off",
+                                              "-fopenmp"],
+                                extra_ldflags=["-fopenmp"], verbose=False))
+        except Exception as e:  # no compiler / ninja: torch's fused kernel + a copy
+            warnings.warn(f"megatrain: the fused host AdamW kernel could not be built ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else ''}); using torch's fused AdamW and a separate "
+                          "copy (install ninja and a C++ compiler for the fused kernel).", stacklevel=2)
+            _KERNEL.append(None)
+    return _KERNEL[0]
+
+
+def squared_norm(t: torch.Tensor, threads: int = 0) -> float:
+    """sum(t ** 2) in double: the C++ kernel over a host fp32 gradient (all cores; torch's
+    vector_norm there runs on one), torch elsewhere. `threads` > 0: that many OpenMP threads of
+    the calling thread's own (a worker next to the training thread), 0: torch's intra-op pool."""
+    ext = kernel() if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
+    if ext is not None:
+        return ext.sum_squares(t, threads)
+    return float(torch.linalg.vector_norm(t, 2.0, dtype=torch.float64)) ** 2
+
+
+_LANDS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def land(dst: torch.Tensor, src: torch.Tensor, add: bool, threads: int = 0) -> float | None:
+    """`dst.add_(src)` (add) or `dst.copy_(src)`, and the squared norm of the new `dst` taken in
+    the same pass (as `squared_norm(dst)` computes it, bit for bit). None when the kernel cannot
+    take these tensors (not on the CPU, not contiguous, no compiler): then torch's op ran and the
+    norm is left to whoever needs it. The version counter of `dst` moves as torch's op moves it."""
+    ext = None
+    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == torch.float32
+            and src.dtype in _LANDS and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+        ext = kernel()
+    if ext is None or not hasattr(ext, "land"):   # (a test's stand-in module may lack it)
+        dst.add_(src) if add else dst.copy_(src)
+        return None
+    squares = ext.land(dst, src, add, threads)
+    torch.autograd.graph.increment_version(dst)   # (written through its pointer: tell autograd)
+    return squares
