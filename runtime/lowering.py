@@ -17,6 +17,7 @@ per op, so results match eager within floating-point reassociation, not bit for 
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -26,6 +27,9 @@ import torch.fx as fx
 from ..ir import materialize
 
 MODES = ("auto", "eager", "inductor")
+
+# (the compile's progress lines: megacompile/compile_progress.py logs the stages on this logger)
+log = logging.getLogger("megatrain.compile")
 
 
 def resolve(mode: str, device: torch.device) -> str:
@@ -100,7 +104,16 @@ def _compile(body: fx.GraphModule, inputs: list) -> Callable:
     # Inductor lowers graphs already decomposed by its own table (compile_fx runs AOTAutograd
     # with it); our bodies were traced with only megatrain's decompositions, so retrace first
     graph = make_fx(body, decomposition_table=select_decomp_table())(*inputs)
-    return CompiledBody(compile_fx_inner(graph, list(inputs)), body)
+    # Inductor's FX graph cache (on disk: a second run of the same model loads the compiled
+    # bodies instead of compiling them again) keys its guards on the tracing context's shape
+    # environment and bypasses the cache without one: give it an empty one (the body is static)
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    fake = FakeTensorMode(shape_env=ShapeEnv())
+    examples = [fake.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+    with tracing(TracingContext(fake)):
+        return CompiledBody(compile_fx_inner(graph, examples), body)
 
 
 class CompiledBody:
@@ -127,10 +140,13 @@ def lower(bodies: dict[str, fx.GraphModule], mode: str, device: torch.device) ->
     records: dict[str, dict] = {}
     if mode == "eager":
         return runs, {name: {"lowering": "eager"} for name in bodies}
-    for name, body in bodies.items():
-        if not _static(body):
-            records[name] = {"lowering": "eager", "why": "symbolic shapes"}
-            continue
+    static = {name: body for name, body in bodies.items() if _static(body)}
+    for name in bodies.keys() - static.keys():
+        records[name] = {"lowering": "eager", "why": "symbolic shapes"}
+    for i, (name, body) in enumerate(static.items(), 1):
+        # (Inductor's FX graph cache on disk makes a second run of the same model start warm)
+        log.info("[megatrain]     lowering body %d/%d (%s, %d ops) with Inductor", i, len(static), name,
+                 sum(n.op == "call_function" for n in body.graph.nodes))
         with unset_fake_temporarily(), torch.no_grad():
             try:
                 inputs = _inputs(body, device)
@@ -146,8 +162,11 @@ def lower(bodies: dict[str, fx.GraphModule], mode: str, device: torch.device) ->
                 records[name] = {"lowering": "eager", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 continue
         use = mode == "inductor" or inductor_s < eager_s
+        log.info("[megatrain]     body %d/%d compiled in %.1f s%s", i, len(static), compile_s,
+                 "" if eager_s is None else f" ({'kept' if use else 'slower than eager'}: Inductor "
+                 f"{inductor_s * 1e3:.2f} ms, eager {eager_s * 1e3:.2f} ms)")
         if use:
             runs[name] = compiled
         records[name] = {"lowering": "inductor" if use else "eager", "compile_seconds": round(compile_s, 3),
                          "eager_seconds": eager_s, "inductor_seconds": inductor_s}
-    return runs, records
+    return runs, {name: records[name] for name in bodies}

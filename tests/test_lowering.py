@@ -84,3 +84,26 @@ def test_measured_choice_keeps_the_faster_form(monkeypatch):
     records = programs_of(model)[-1].lowering_records
     for r in (r for d in records.values() for r in d.values()):
         assert r["lowering"] == "eager" and r["inductor_seconds"] > r["eager_seconds"], r
+
+
+@pytest.mark.slow
+def test_a_body_compiled_again_loads_from_inductors_disk_cache(tmp_path, monkeypatch, caplog):
+    """A second run of the same model starts warm: a body Inductor compiled before is loaded
+    from its FX graph cache on disk (it bypassed the cache without a tracing context before),
+    gives the same result, and the compile says each body's progress."""
+    import logging
+
+    from torch._dynamo.utils import counters
+    from torch.fx.experimental.proxy_tensor import make_fx
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    body = make_fx(lambda x, w: (torch.nn.functional.silu(x @ w) * 2.0,))(torch.randn(8, 16), torch.randn(16, 4))
+    inputs = [torch.randn(8, 16), torch.randn(16, 4)]
+    counters.clear()
+    with caplog.at_level(logging.INFO, logger="megatrain.compile"):
+        runs, records = lowering.lower({"seg0": body}, "inductor", torch.device("cpu"))
+    assert records["seg0"]["lowering"] == "inductor", records
+    assert counters["inductor"]["fxgraph_cache_miss"] == 1 and not counters["inductor"]["fxgraph_cache_bypass"]
+    assert "lowering body 1/1 (seg0" in caplog.text and "body 1/1 compiled in" in caplog.text
+    again, _ = lowering.lower({"seg0": body}, "inductor", torch.device("cpu"))
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1
+    torch.testing.assert_close(again["seg0"](*inputs), body(*inputs), rtol=1e-5, atol=1e-6)

@@ -83,8 +83,10 @@ def preflight(model, device: torch.device, vision: str = "frozen", placement: st
 def hardware_for(config, device: torch.device, dtype: torch.dtype):
     """(profile, sentence): what the plan simulates. The `hardware` option, else this machine's:
     the CPU's measured rates, or the GPU's exact built-in profile (or its measured rates), with
-    the GPU's real free memory."""
+    the GPU's real free memory and this host's measured bandwidth and AdamW rate on the cores the
+    process may use (host_probe.py: a pod's cgroup quota is not the datasheet's socket)."""
     from ..hardware import gpu_profile, load_hardware
+    from ..host_probe import probed_host, with_host
     spec = config.megatrain.get("hardware")
     if spec is not None:
         hw = load_hardware(spec, dtype)
@@ -93,7 +95,9 @@ def hardware_for(config, device: torch.device, dtype: torch.dtype):
         return dataclasses.replace(load_hardware("cpu", dtype), measure_ops=False), "this CPU, measured"
     profile, why = gpu_profile(device, dtype)
     free, _ = torch.cuda.mem_get_info(device)
-    return dataclasses.replace(profile, device_memory_gib=free / 2**30), why
+    host = probed_host()
+    return (dataclasses.replace(with_host(profile, host), device_memory_gib=free / 2**30),
+            f"{why}; {host.describe()}")
 
 
 #: plan_check's answers in this process, by everything they depend on (_plan_key): a resumed
@@ -129,6 +133,7 @@ def plan_check(model, config, device: torch.device, placement: str | None = None
 
 
 def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | None) -> str:
+    from ..host_probe import host_bound
     from ..plan import _fmt, plan_model
     from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
@@ -156,10 +161,12 @@ def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | 
              else "")
     exposed = (f", of which {est.ssd_exposed_seconds:.2f} s waiting for the NVMe tier ({est.ssd_seconds:.2f} s of "
                "I/O)" if est.ssd_seconds else "")
+    bound = host_bound(est)
     return (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
             f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
             f"{_fmt(plan.device_weight_bytes)}{moved}); about "
-            f"{est.step_seconds:.2f} s/step{exposed} ({why})")
+            f"{est.step_seconds:.2f} s/step{exposed} ({why})"
+            + (f"\n[megatrain] plan: WARNING: {bound}" if bound and device.type != "cpu" else ""))
 
 
 def check_device(config) -> torch.device:
