@@ -50,6 +50,9 @@ SHAPES = {
     "llama-3.2-3b": dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
                          num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
                          max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-3-8b": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                        max_position_embeddings=32768, tie_word_embeddings=False),
@@ -90,7 +93,9 @@ def run(step, args, device) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def limit_step(args, device, data):
+def limit_step(args, device, data, loss=None):
+    """`loss(model, data)`: the step's loss (default: the model's own, whole logits; peers.py
+    passes a chunked LM head + loss, as megatrain's fused one keeps no whole logits either)."""
     model = build(args, device)
     checkpoint_every_layer(model)
     masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
@@ -99,7 +104,7 @@ def limit_step(args, device, data):
     def step():
         sync(device)
         t0 = time.perf_counter()
-        model(input_ids=data, labels=data).loss.backward()
+        (loss(model, data) if loss else model(input_ids=data, labels=data).loss).backward()
         sync(device)
         t1 = time.perf_counter()
         for m, p in zip(masters, model.parameters()):

@@ -73,3 +73,16 @@ def test_data_parallel_benchmark_smoke_run():
               "--model", "smollm2-135m", "--seq", "128", "--gpu-batch", "1", "--plan-gpus", "1,2",
               "--plan-hardware", "h200")
     assert "2 rank(s):" in out and "scaling 2 ranks / 1:" in out and " h200  2 " in out, out
+
+
+def test_peers_benchmark_dry_run():
+    """Every row of issue 36's table at toy size on the CPU, each in its own process (about 35 s:
+    megatrain+bwd is overlap.py's, tested above); deepspeed, when it is not installed, is a row
+    that says why, and the script still succeeds."""
+    out = run("peers.py", "--dry-run", "--rows", "limit,megatrain,fsdp2-offload,deepspeed-zero3-offload")
+    lines = out.splitlines()
+    for row in ("limit (GPU-resident)", "megatrain", "fsdp2 (gloo, no offload: CPU)", "deepspeed-zero3-offload"):
+        assert any(line.startswith(row + " ") for line in lines), (row, out)
+    mega = next(line for line in lines if line.startswith("megatrain "))
+    assert "not run" not in mega and "2.00" in mega, mega   # (bf16 gradients down once: measured)
+    assert "megatrain vs the better offload peer" in out, out
