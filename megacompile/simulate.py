@@ -186,5 +186,15 @@ def optimizer_bytes(steps, costs: list[SegmentCost], optimizer: str) -> int:
     return grad_bytes(steps, costs) if optimizer == "backward" else fetched_bytes(steps)
 
 
+def busy_seconds(timed: list[TimedStep]) -> dict[str, float]:
+    """Seconds each stream of `timed` works (waits and evictions are not work): the one with the
+    most is what binds the step (plan_compare.py names it)."""
+    busy: dict[str, float] = {}
+    for s in timed:
+        if s.op not in ("wait", "evict"):
+            busy[s.stream] = busy.get(s.stream, 0.0) + s.end - s.start
+    return busy
+
+
 def makespan(timed: list[TimedStep], t0: float = 0.0) -> float:
     return max((s.end for s in timed), default=t0)
