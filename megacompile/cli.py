@@ -146,8 +146,21 @@ def _plan(args) -> int:
     from .ssd import load_ssd
     from .plan import plan_model, to_text
     dtype = getattr(torch, args.dtype)
+    if args.compare and (args.gpu is not None or args.host_ram is not None):
+        given = " and ".join(o for o, v in (("--gpu", args.gpu), ("--host-ram", args.host_ram)) if v is not None)
+        raise ConfigError(f"--compare with {given}: --compare plans every built-in GPU with every host RAM size "
+                          "itself; leave out " + given + ", or leave out --compare to plan one machine.")
+    if args.compare and args.probe_host:
+        raise ConfigError("--compare with --probe-host: --compare plans other machines than this one, whose host "
+                          "this machine cannot measure; leave out one of the two.")
+    args.gpu = args.gpu or "h200"
     hardware = load_hardware(args.gpu, dtype)
-    if args.host_ram is None and hardware.name != "cpu":
+    host_measured = ""
+    if args.probe_host or hardware.name == "cpu":   # (cpu: load_hardware measured with the same probe)
+        from .host_probe import probed_host, with_host
+        rates = probed_host()
+        hardware, host_measured = with_host(hardware, rates), rates.describe()
+    if args.host_ram is None and hardware.name != "cpu" and not args.compare:
         raise ConfigError(f"--host-ram is required with --gpu {args.gpu}: the host RAM of the machine you "
                           "will train on, e.g. --host-ram 1.5T (it defaults to this machine's RAM only with "
                           "--gpu cpu).")
@@ -170,17 +183,27 @@ def _plan(args) -> int:
             placement = cfg.nvme_placement if placement == "auto" else placement
         from .train.finetuning import apply_finetuning
         prepare = lambda meta: apply_finetuning(meta, cfg)   # noqa: E731 (finetuning_type: freeze counts less)
-    if nvme is None and placement in ("moments", "all"):
+    if nvme is None and placement in ("moments", "all") and not args.compare:   # (--compare: gen4x4)
         raise ConfigError(f"--nvme-placement {placement} needs --nvme PROFILE (the drives: gen4x4, gen5x4, a JSON "
                           "profile or measure:DIR).")
     ssd = load_ssd(nvme) if nvme is not None else None
-    if ssd is not None and nvme_paths:   # the config's directories: their free space is the disk checked
+    if ssd is not None and nvme_paths and not args.compare:   # the config's directories: their free space is checked
         import dataclasses
         ssd = dataclasses.replace(ssd, paths=tuple(nvme_paths))
-    plan = plan_model(model, hardware=hardware, host_ram=host_ram, seq=seq or 4096, batch=args.batch,
-                      slots=slots, dtype=dtype, options={"recompute": recompute, "logits": logits}, vision=vision,
-                      prepare=prepare, ssd=ssd, placement=placement, accum=accum or 1, gpus=args.gpus,
-                      progress=_progress_on_terminal())
+    same = dict(seq=seq or 4096, batch=args.batch, slots=slots, dtype=dtype, vision=vision, accum=accum or 1,
+                options={"recompute": recompute, "logits": logits})
+    if args.compare:   # (plan_compare.py: a row per built-in GPU x host RAM size)
+        from .plan_compare import compare_plans, none_fits, rows_json, rows_text
+        rows = compare_plans(model, gpus=args.gpus, ssd=ssd, placement=placement, prepare=prepare,
+                             progress=_progress_on_terminal(), **same)
+        print(_json.dumps(rows_json(rows), indent=2) if args.format == "json" else rows_text(rows))
+        if not any(r.fits for r in rows):
+            print("megatrain: error: " + none_fits(rows, args.model), file=sys.stderr)
+            return 3
+        return 0
+    plan = plan_model(model, hardware=hardware, host_ram=host_ram, prepare=prepare, ssd=ssd, placement=placement,
+                      gpus=args.gpus, progress=_progress_on_terminal(), **same)
+    plan.host_measured = host_measured
     text = _json.dumps(plan.to_dict(), indent=2) if args.format == "json" else to_text(plan)
     print(text)
     if not plan.fits:
@@ -278,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "step time simulated on the hardware profile. Exits 3 when it cannot fit.")
     pl.add_argument("model", help="a preset name (e.g. llama-3-70b) or its Hub id, a config.json path, a model "
                                   "directory, or a `megatrain train` YAML config (its model and cutoff_len)")
-    pl.add_argument("--gpu", default="h200", help="hardware profile: h200, h100, gh200, a100, cpu (measured "
-                                                   "here) or a JSON profile path")
+    pl.add_argument("--gpu", help="hardware profile: h200 (default), h100, gh200, a100, cpu (measured here) or a "
+                                   "JSON profile path")
     pl.add_argument("--host-ram", type=byte_size,
                     help="host RAM of the training machine, e.g. 1.5T, 512GiB (default with "
                                        "--gpu cpu: this machine's)")
@@ -311,6 +334,16 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=positive_int, default=1,
                     help="GPUs of one node training data parallel (torchrun --nproc-per-node): the host holds one "
                          "copy of the state, each GPU's step adds its collectives")
+    pl.add_argument("--compare", action="store_true",
+                    help="what to buy: a row per built-in GPU (h200, h100, gh200, a100) x host RAM (256G, 512G, 1T, "
+                         "2T), and with the optimizer state on NVMe (gen4x4, or --nvme) where the RAM alone does "
+                         "not fit: fits or what is short, tokens/s, time per 1B tokens, the binding resource. "
+                         "Not with --gpu or --host-ram; exits 3 when nothing fits")
+    pl.add_argument("--probe-host", action="store_true",
+                    help="measure this machine's host (memory bandwidth and the AdamW rate on the cores this process "
+                         "may use: CPU affinity and cgroup quota; about a second) and plan with those figures "
+                         "instead of the profile's: for planning on the machine that will train (--gpu cpu always "
+                         "measures). Not with --compare")
     pl.add_argument("--format", default="text", choices=["text", "json"])
     pl.set_defaults(func=_plan)
     # "--host-ram -5G" is a (bad) value, not an option: byte_size then says what is wrong with it

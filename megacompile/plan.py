@@ -41,12 +41,13 @@ import torch
 from .cost_model import body_seconds, optimizer_seconds
 from .errors import CannotFitError
 from .hardware import Hardware
+from .host_probe import host_bound
 from .ssd import SSD
 from .ir import Step, segment_calls
 from .passes.data_parallel import sharded
 from .passes.memory_plan import value_bytes
 from .passes.schedule import build_steps, choose_lookahead
-from .simulate import SegmentCost, makespan, optimizer_bytes, simulate
+from .simulate import SegmentCost, busy_seconds, makespan, optimizer_bytes, simulate
 from .tier_plan import (PLACEMENTS, TIER_POOL_BYTES, TIER_READ_AHEAD, min_numel, nvme_lines, nvme_summary,
                         ssd_capacity, ssd_seconds)
 from .vlm import store_parameters
@@ -191,6 +192,8 @@ class DirectionCosts:
     saved: list[int]            # bytes of forward outputs (saved for the backward) per segment
     peak: int                   # memory plan peak of the captured prefix
     host_checkpoints: int = 0   # layer checkpoints the prefix keeps on the host (offload_checkpoints)
+    bodies: list = field(default_factory=list)   # each segment's body graph (its seconds on another profile)
+    lookahead: int = 0          # the prefetch lookahead the capture's schedule chose on its profile
 
 
 @dataclass
@@ -224,7 +227,8 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
         per_body = {name: body_seconds(body, hw) for name, body in done.bodies.items()}
         seconds = [per_body[name] for name in done.body_of]
         out[direction] = DirectionCosts(segs, seconds, layer, saved, done.plan.peak_bytes if done.plan else 0,
-                                        done.plan.host_checkpoint_bytes if done.plan else 0)
+                                        done.plan.host_checkpoint_bytes if done.plan else 0,
+                                        [done.bodies[name] for name in done.body_of], done.schedule.lookahead)
     return Capture(batch, out)
 
 
@@ -247,6 +251,7 @@ class BatchEstimate:
     accum: int = 1                   # micro-batches per optimizer step (forward/backward are one's)
     ssd_seconds: float = 0.0         # the NVMe tier's reads + writes per optimizer step
     ssd_exposed_seconds: float = 0.0   # of which not hidden under the compute (tier_plan.py)
+    busy: dict[str, float] = field(default_factory=dict)   # seconds each stream works in one forward + backward
 
     @property
     def step_seconds(self) -> float:
@@ -280,6 +285,7 @@ class Plan:
     ssd_capacity_source: str = ""
     accum: int = 1                     # micro-batches per optimizer step
     gpus: int = 1                      # data parallel ranks on the node (the estimates are one GPU's)
+    host_measured: str = ""            # the host's measured rates the plan used (host_probe.py), if any
 
     @property
     def fits(self) -> bool:
@@ -304,7 +310,8 @@ class Plan:
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "checkpoints_on_host": self.checkpoints_on_host, "mlp_tiles": self.mlp_tiles,
              "accum": self.accum, "gpus": self.gpus, "shm_bytes": self.shm_bytes, "nvme": nvme_summary(self),
-             "fits": self.fits, "problems": self.problems,
+             "fits": self.fits, "problems": self.problems, "host_measured": self.host_measured or None,
+             "host_bound": host_bound(self.best) if self.best else None,
              "batches": [{**asdict(b), "step_seconds": b.step_seconds, "tokens_per_s": self.tokens_per_s(b)}
                          for b in self.batches]}
         d["best_batch"] = self.best.batch if self.best else None
@@ -394,7 +401,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                batch: int | None = None, slots: int = 2, dtype: torch.dtype = torch.bfloat16,
                max_batch: int = 4096, options: dict | None = None, vision: str = "frozen",
                prepare=None, ssd: SSD | None = None, placement: str = "auto", accum: int = 1,
-               gpus: int = 1, progress=None) -> Plan:
+               gpus: int = 1, progress=None, memo=None) -> Plan:
     """Plan training `source` (preset, config.json, model directory or a transformers config) on
     `hardware`, with megatrain compile `options` (default as `megatrain train` compiles: the
     loss fused with the LM head, `logits="drop"`). For a VLM, `vision` says whether its vision
@@ -408,11 +415,14 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     all-gathers and fp32 reduce-scatters over the peer links (`peer_gbps`), the node's host
     optimizer doing the one-GPU work; the host holds one copy of the state and a process per GPU.
     `progress(text)`, if given, hears each capture as it starts (the CLI: on stderr), since a
-    long sequence's captures take tens of seconds."""
+    long sequence's captures take tens of seconds. `memo` (plan_compare.PlanMemo) shares the meta
+    model and the captures between plans of one model on several machines."""
     options = {"logits": "drop", **(options or {})}
     started = time.monotonic()
 
     def capture(b: int, opts: dict, why: str) -> Capture:
+        if memo is not None:
+            return memo.capture(config, prefix_len, b, seq, slots, dtype, hardware, opts)
         if progress is not None:
             progress(f"[megatrain] plan: compiling the first {prefix_len} layer(s) at batch {b} x seq {seq}{why} "
                      f"({time.monotonic() - started:.0f} s so far) ...")
@@ -432,7 +442,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     if ssd is not None:
         from .ssd import load_ssd
         ssd = load_ssd(ssd)   # (checked)
-    model, config = build_meta_model(source, None, dtype)
+    model, config = (memo.meta_model if memo is not None else build_meta_model)(source, None, dtype)
     if prepare is not None:
         prepare(model)
     device_type = "cpu" if hardware.name == "cpu" else "cuda"
@@ -492,7 +502,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         weights_at_peak = max(weights_at_peak, sum(resident))
 
     def estimate(b: int) -> BatchEstimate:
-        times, sims = {}, {}
+        times, sims, busy = {}, {}, {}
         for direction in ("forward", "backward"):
             infos, costs = m.expand(direction, b)
             steps = m.with_checkpoints(direction, build_steps(infos, lookahead[direction]), infos, b)
@@ -500,7 +510,10 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 widen = 4 // dtype.itemsize
                 steps = [t for s in steps for t in sharded(s, gpus, widen * sum(infos[s.segment].grad_nbytes.values()))]
             sims[direction] = steps, costs
-            times[direction] = makespan(simulate(steps, costs, hardware))
+            timed = simulate(steps, costs, hardware)
+            times[direction] = makespan(timed)
+            for stream, seconds in busy_seconds(timed).items():
+                busy[stream] = busy.get(stream, 0.0) + seconds
         opt, after = optimizer_seconds(trainable, hardware), optimizer_seconds(trainable - in_store, hardware)
         overlapped = {}
         for mode, (steps, costs) in sims.items():   # the optimizer beside this direction, the other as is
@@ -518,7 +531,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                              overlap_backward_seconds=_plus(overlapped.get("backward"), before),
                              overlap_forward_seconds=_plus(overlapped.get("forward"), before),
                              host_checkpoint_bytes=m.host_checkpoints(b), accum=accum, ssd_seconds=io,
-                             ssd_exposed_seconds=exposed)
+                             ssd_exposed_seconds=exposed, busy=busy)
 
     # Device bytes are linear in the batch within each step, but the peak is the max over steps,
     # which can move to a step whose bytes grow faster: a convex function, which the chord from
@@ -702,6 +715,10 @@ def to_text(plan: Plan) -> str:
                                                          "backward with a clipped norm)")):
             if seconds is not None:
                 lines.append(f"      {seconds:.3f} s/step, {tokens / seconds:,.0f} tokens/s with it {how}")
+    if plan.host_measured:
+        lines.append(plan.host_measured)
+    if plan.best and (note := host_bound(plan.best)):
+        lines.append(f"WARNING: {note}")
     if plan.gpus > 1:
         lines += ["", f"data parallel: {plan.gpus} GPUs on one node, each at the batch above (tokens/s are the "
                       f"node's); /dev/shm holds the state once: {_fmt(plan.shm_bytes)}; each GPU fetches 1/{plan.gpus} "
