@@ -120,6 +120,12 @@ step tests_long_context 70 70 -- "${PYTEST[@]}" tests/test_cuda.py -k "segment o
 step tests_cuda 90 30 -- "${PYTEST[@]}" --maxfail=5 tests/test_cuda.py -k "not segment and not long_context"
 # 3. the kernel tests
 step tests_kernels 40 0 -- "${PYTEST[@]}" tests/test_kernels.py -k rms
+# the host's own figures where the GPU trains (issue 36): memory bandwidth and the host AdamW
+# kernel on the cores this process may use, its last line "host adamw: X GB/s, F of the measured
+# memory bandwidth (B GB/s)"; then where the planner says the optimizer hides with this host
+CA=(--params 256e6 --repeat 5); [ $DRY = 1 ] && CA=(--params 4e6 --repeat 2)
+step cpu_adam 45 0 -- $PY benchmarks/cpu_adam.py "${CA[@]}"
+step plan_crossover 40 0 -- $PY benchmarks/plan_accuracy.py --crossover
 # time permitting: megatrain with lowering auto (Inductor bodies: the first step compiles them),
 # megatrain with HostAdamW after the backward (its exposed optimizer time), the kernel speeds
 step peers_auto 200 0 -- "${PEERS[@]}" --attention $ATTN --tokens 32768 --seq 4096 --lowering auto \
