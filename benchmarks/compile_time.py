@@ -3,6 +3,7 @@
     python benchmarks/compile_time.py                  # 2, 8, 32, 64 layers
     python benchmarks/compile_time.py --layers 2 8
     python benchmarks/compile_time.py --layers 8 --lowering inductor --cold-warm
+    python benchmarks/compile_time.py --phases --layers 2 64 128   # where the first step's time goes
 
 For each depth: the seconds of the first forward + backward through
 torch.compile(backend="megatrain") on the CPU (Dynamo capture, AOTAutograd, the passes, the
@@ -31,20 +32,55 @@ from conftest import batch, tiny_model  # noqa: E402
 import megacompile  # noqa: E402,F401  (registers the backend)
 
 
-def first_step(layers: int, lowering: str = "eager") -> tuple[float, float]:
+class _Timed:
+    """Seconds spent in a function of the backend module, summed over its calls."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name, self.fn, self.seconds = module, name, getattr(module, name), 0.0
+
+    def __enter__(self):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+        setattr(self.module, self.name, timed)
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.fn)
+
+
+def phases(layers: int, lowering: str = "eager") -> dict[str, float]:
+    """The first step's seconds by phase: Dynamo's own tracing, AOTAutograd's metadata pass and
+    joint trace, torch's min-cut partition, megatrain's pass pipelines (joint + forward +
+    backward), the rest of the compile (AOT's wrappers, the store, the program), and the step."""
+    from megacompile import backend
     megacompile.reset()
     from torch._dynamo.utils import compilation_time_metrics
     compilation_time_metrics.clear()
     model = tiny_model("llama", layers=layers)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": lowering})
     ids, mask, labels = batch(2, 16)
-    t0 = time.perf_counter()
-    cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
-    total = time.perf_counter() - t0
-    # Dynamo's own: its frame compile minus the backend it calls (AOTAutograd, passes, lowering)
-    metric = {k: sum(v) for k, v in compilation_time_metrics.items()}
-    dynamo = metric.get("_compile.compile_inner", 0.0) - metric.get("OutputGraph.call_user_compiler", 0.0)
-    return total, dynamo
+    with _Timed(backend, "run_pipeline") as passes, _Timed(backend, "min_cut_rematerialization_partition") as cut:
+        t0 = time.perf_counter()
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        total = time.perf_counter() - t0
+    m = {k: sum(v) for k, v in compilation_time_metrics.items()}
+    backend_s = m.get("OutputGraph.call_user_compiler", 0.0)
+    out = {"dynamo": m.get("_compile.compile_inner", 0.0) - backend_s,
+           "aot metadata": m.get("aot_collect_metadata", 0.0), "aot joint trace": m.get("aot_trace_joint_graph", 0.0),
+           "partition": cut.seconds, "passes": passes.seconds}
+    out["compile rest"] = backend_s - sum(out[k] for k in ("aot metadata", "aot joint trace", "partition", "passes"))
+    out["step"] = total - m.get("_compile.compile_inner", 0.0)
+    out["total"] = total
+    return out
+
+
+def first_step(layers: int, lowering: str = "eager") -> tuple[float, float]:
+    p = phases(layers, lowering)
+    return p["total"], p["dynamo"]
 
 
 def cold_warm(layers: int, lowering: str) -> None:
@@ -68,9 +104,20 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
     ap.add_argument("--cold-warm", action="store_true", help="first step cold, then warm from Inductor's disk cache")
+    ap.add_argument("--phases", action="store_true", help="the first step's seconds by phase, per depth")
     ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.phases:
+        names = None
+        for n in args.layers:
+            runs = [phases(n, args.lowering) for _ in range(args.repeat)]
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            if names is None:
+                names = list(med)
+                print(f"{'layers':>6} " + " ".join(f"{k:>15}" for k in names) + f"   (median of {args.repeat})")
+            print(f"{n:>6} " + " ".join(f"{med[k]:>15.2f}" for k in names), flush=True)
+        return
     if not args.quiet:
         print(f"{'layers':>6} {'first step s':>13} {'dynamo s':>9}   (median of {args.repeat}; torch "
               f"{torch.__version__})")

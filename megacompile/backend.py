@@ -29,46 +29,16 @@ from . import compile_start, distributed
 from .capture import ModelCapture, capture_inputs
 from .compile_progress import CLOCK
 from .options import Options
-from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, RUNTIME_READS, Compiled, compiled
-from .passes import PassContext, check_pipeline, run_pipeline
-from .passes.data_parallel import data_parallel
-from .passes.dedupe_bodies import dedupe_bodies
-from .passes.fused_kernels import fused_kernels
-from .passes.fused_lm_loss import fused_lm_loss
-from .passes.layer_regions import layer_regions
-from .passes.memory_plan import check_budget, memory_plan
-from .passes.offload_checkpoints import offload_checkpoints
-from .passes.recompute_boundaries import recompute_boundaries
-from .passes.retarget_device import retarget_device
-from .passes.routed_experts import routed_experts
-from .passes.selective_recompute import selective_recompute
-from .passes.schedule import schedule
-from .passes.split_segments import split_segments
-from .passes.tag_weights import tag_weights
-from .passes.tile_mlp import tile_mlp
-from .passes.unshare_weight_views import unshare_weight_views
+from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, Compiled, compiled
+from .passes import PassContext, run_pipeline
+from .passes.memory_plan import check_budget
+from .passes.pipelines import DIRECTION_PASSES, DYNAMO_PASSES, JOINT_PASSES, check_pipelines  # noqa: F401
 from .runtime import store
 from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
 from .runtime.executor import DirectionRunner
 from .runtime.checkpoints import CheckpointMover
 from .runtime.grad_offload import GradOffloader
 from .runtime.weight_pool import DeviceWeightPool
-
-# These run on the Dynamo graph itself (torch-level ops, before AOTAutograd), see megatrain_backend.
-DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, retarget_device]
-JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
-DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
-                    schedule, offload_checkpoints, data_parallel, memory_plan]
-
-
-def check_pipelines(disabled: tuple[str, ...]) -> None:
-    """The contracts of the three pipelines with `disabled` switched off, and what the runtime
-    reads from a direction graph: a ContractError before any work, naming the reader, the key
-    and the disabled pass that writes it."""
-    check_pipeline(DYNAMO_PASSES, disabled)
-    check_pipeline(JOINT_PASSES, disabled)
-    check_pipeline(DIRECTION_PASSES, disabled, then_reads=RUNTIME_READS, reader="the runtime's executor")
-
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])

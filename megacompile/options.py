@@ -44,10 +44,9 @@ def _default_device() -> str:
 @functools.lru_cache(maxsize=None)
 def pass_names() -> tuple[str, ...]:
     """Every graph pass the backend runs, by name, in pipeline order (what `disable_passes` takes):
-    the passes of backend.DYNAMO_PASSES, JOINT_PASSES and DIRECTION_PASSES."""
-    from . import backend
-    passes = (*backend.DYNAMO_PASSES, *backend.JOINT_PASSES, *backend.DIRECTION_PASSES)
-    return tuple(dict.fromkeys(p.name for p in passes))
+    passes/pipelines.py's DYNAMO_PASSES, JOINT_PASSES and DIRECTION_PASSES."""
+    from .passes import pipelines
+    return pipelines.pass_names()
 
 
 _BOOL_OPTIONS = ("debug_residency", "recompute_head", "routed_experts", "overlap_grads", "host_arena", "debug_passes")
@@ -163,7 +162,7 @@ def _checked(name: str, value):
                 close = difflib.get_close_matches(p, valid, n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 raise _bad(name, value, f"pass names; {p!r} is not one: {hint}the passes are {', '.join(valid)}")
-        from .backend import check_pipelines
+        from .passes.pipelines import check_pipelines
         try:
             check_pipelines(tuple(items))   # a later pass or the runtime reads what one of them writes
         except ContractError as e:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import hashlib
+import inspect
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -102,6 +105,20 @@ class GraphPass:
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext | PassOptions) -> fx.GraphModule:
         return self.fn(gm, ctx)
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """A stable hash of this pass as it is now: the source of its file, its name, contract
+        and the options it declares. With the values of those options it keys a cached result."""
+        source = inspect.getsource(inspect.getmodule(self.fn))
+        contract = repr((self.name, self.reads, self.writes, self.may_write, self.uses))
+        return hashlib.sha256((source + contract).encode()).hexdigest()[:16]
+
+    def identity_with(self, opts: PassOptions | PassContext) -> str:
+        """`identity` and the values of the options it uses: equal only when the pass would do
+        the same to the same graph."""
+        values = repr(sorted((u, repr(getattr(opts, u))) for u in self.uses))
+        return hashlib.sha256((self.identity + values).encode()).hexdigest()[:16]
 
 
 def graph_pass(name: str, reads=(), writes=(), may_write=(), uses=()):

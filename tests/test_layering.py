@@ -75,3 +75,21 @@ def test_the_checker_sees_imports():
     assert "megacompile.ir.STEP" in found and "megacompile.errors.ResidencyError" in found
     assert "megacompile.ir_ops.fetch_expert_rows" in imports(ROOT / "passes" / "routed_experts.py")
     assert "megacompile.ir_ops.triton_runs" in imports(ROOT / "runtime" / "kernels" / "ops.py")
+
+
+def test_the_options_and_the_passes_do_not_import_the_backend():
+    """The pipelines are registered beside the passes (passes/pipelines.py): options.py lists and
+    checks them without importing backend.py, which imports options.py (the cycle this ended)."""
+    for path in (ROOT / "megacompile" / "options.py", *_files("passes")):
+        assert not any(_is(m, "megacompile.backend") for m in imports(path)), path
+
+
+def test_each_pass_has_a_stable_identity_that_its_options_values_extend():
+    from megacompile.passes import PassContext
+    from megacompile.passes.pipelines import all_passes, identities, pass_names
+    ids = identities()
+    assert list(ids) == list(pass_names()) and len(set(ids.values())) == len(ids)
+    assert identities() == ids   # stable within a process (and across: a hash of the source)
+    schedule = next(p for p in all_passes() if p.name == "schedule")
+    two, one = (PassContext("forward", 4, {}, slots=s).view("schedule", schedule.uses) for s in (2, 1))
+    assert schedule.identity_with(two) == schedule.identity_with(two) != schedule.identity_with(one)
