@@ -3,6 +3,7 @@ test_plan.py): a GPU session gets one try at them, so a script broken by a chang
 here first. Their figures are not checked: timings belong to the benchmarks, not to tests."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,12 @@ def test_cpu_adam_benchmark_smoke_run():
     pytest.importorskip("ninja")
     out = run("cpu_adam.py", "--params", "1e5", "--repeat", "1")
     for row in ("megatrain HostAdamW + bf16 copy", "torch AdamW fused + bf16 copy",
-                "HostAdamW.step(), a layer's 12 tensors",
-                "copy bandwidth", "per-tensor steps over a layer vs one flat tensor"):
+                "HostAdamW.step(), a layer's 12 tensors", "memory bandwidth: copy", "landing: land(grad, bf16)",
+                "the host's pass per step", "per-tensor steps over a layer vs one flat tensor"):
         assert row in out, (row, out)
+    # the issue's last line, exactly
+    assert re.fullmatch(r"host adamw: [\d.]+ GB/s, [\d.]+ of the measured memory bandwidth \([\d.]+ GB/s\)",
+                        out.strip().splitlines()[-1]), out
 
 
 def test_step_overhead_benchmark_smoke_run():
