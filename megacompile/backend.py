@@ -14,6 +14,7 @@ Dynamo hands us one whole-model graph whose inputs include the real parameters. 
 from __future__ import annotations
 
 import copy
+import logging
 import time
 import weakref
 from typing import Any
@@ -26,7 +27,7 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import compile_start, distributed
-from .capture import ModelCapture, capture_inputs
+from .capture import ModelCapture, _current_tx, capture_inputs, compiled_model_in_stack
 from .compile_progress import CLOCK
 from .options import Options
 from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, Compiled, compiled
@@ -42,6 +43,8 @@ from .runtime.weight_pool import DeviceWeightPool
 
 # softplus_backward's fake strides disagree with the CPU kernel (Gated-DeltaNet models).
 DECOMPOSITIONS = get_decompositions([torch.ops.aten.softplus_backward])
+
+_log = logging.getLogger("megatrain.compile")
 
 _PROGRAMS: "weakref.WeakKeyDictionary[torch.nn.Module, list[Program]]" = weakref.WeakKeyDictionary()
 
@@ -300,6 +303,18 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     (plan, inspect): compile to the artifacts (`Program.compiled`) without building the runtime."""
     opts = Options.from_mapping(options)   # (disable_passes checked there: check_pipelines, before any work)
     compile_start.register()  # again: torch._dynamo.reset() drops it
+    if runtime and not compile_start.prepared_this_compile():
+        root = compiled_model_in_stack()   # (the model torch.compile was given; None: a function)
+        changed = compile_start.prepare_late(root, opts.attention) if root is not None else None
+        if changed:
+            _log.info("megatrain: %s was traced without megatrain's compile-start callback (torch._dynamo.reset() "
+                     "drops it); prepared now (%s), traced again", type(root).__name__, changed)
+            # (the new trace takes another path through the attention code: Dynamo's speculation
+            # log, kept across restarts to replay the same path, would refuse it)
+            tx = _current_tx()
+            if tx is not None:
+                tx.speculation_log.clear()
+            raise compile_start.Retrace(restart_reason=f"megatrain prepared the model: {changed}")
     capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})})
     CLOCK.stage(f"traced at {{at}}: {capture.num_layers} decoder layers; AOTAutograd differentiates and "
                 "partitions the step")

@@ -24,10 +24,18 @@ Dynamo calls its start callbacks before it traces a frame. For the outermost mod
     construction instead of by the runtime owning gradient storage.
 
 `torch._dynamo.reset()` drops Dynamo's callbacks; `register()` runs on import of megacompile and
-again in the backend (both callbacks). A compile right after a reset misses both: the backend then installs the
-hooks itself when it meets their graph break, and warns that the graph in hand keeps
-transformers' attention (`late`; Dynamo does not guard on the implementation, so selecting it
-then would not recompile the graph).
+again in the backend (both callbacks). A compile right after a reset misses the start callback:
+the backend then does its work itself (`prepare_late`) and, where that changed the model,
+raises `Retrace`, which makes Dynamo trace the frame again from the start (its own restart
+mechanism), now with segment attention and the hooks. The graph in hand was traced before that
+and is dropped, so a model never trains with transformers' seq x seq mask because of a reset
+(Dynamo does not guard on the attention implementation: selecting it without a new trace would
+change nothing). Gradients are the exception: Dynamo breaks the graph on a low-precision
+parameter's fp32 gradient while it traces, before the backend is called, and the error says to
+call megacompile.reset() (capture.py).
+
+    compile after reset:  trace (sdpa mask) -> backend: prepare_late -> Retrace
+                          trace again (segment attention) -> backend: prepared -> compiled
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ import logging
 import weakref
 
 import torch
+from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 
 from . import attention, output_hooks
 from .capture import outermost_compiled_module
@@ -70,6 +79,32 @@ def prepare(model: torch.nn.Module, attention_choice: str = "segments") -> None:
         why = attention.select(model)
         if why:
             log.info("megatrain: %s keeps transformers' attention (%s)", type(model).__name__, why)
+
+
+class Retrace(TensorifyScalarRestartAnalysis):
+    """Trace this frame again: megatrain prepared the model after the trace began. (Dynamo lets
+    this restart family through from a backend, where it wraps other errors, and restarts the
+    frame's analysis; a subclass, so its reason is ours.)"""
+
+
+def prepare_late(model: torch.nn.Module, attention_choice: str) -> str | None:
+    """From the backend, in a compile that began without the start callback (torch._dynamo.reset()
+    dropped it): select segment attention and install the output hooks, as the callback does.
+    Returns what changed the model (the backend then raises Retrace), or None: nothing to change,
+    or this compile already traced the model again once. (Gradients are not lifted here: their
+    graph break comes before the backend is called, and says to call megacompile.reset().)"""
+    if model in _LATE:
+        return None
+    changed = []
+    if output_hooks.install_requested_hooks(model):
+        changed.append("transformers' output hooks")
+    text = model.config.get_text_config(decoder=True)
+    if attention_choice == "segments" and text._attn_implementation != attention.NAME:
+        if attention.select(model) is None:
+            changed.append("segment attention")
+    if changed:
+        _LATE.add(model)
+    return ", ".join(changed) or None
 
 
 def late(model: torch.nn.Module, attention_choice: str) -> None:
@@ -113,6 +148,7 @@ class LiftedGrads:
 
 
 _LIFTED = LiftedGrads()   # (Dynamo runs one compile at a time: its callbacks pair start and end)
+_LATE: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()   # models prepare_late traced again, this compile
 
 
 def _on_compile_start(_args) -> None:
@@ -127,6 +163,7 @@ def _on_compile_start(_args) -> None:
 
 
 def _on_compile_end(_args) -> None:
+    _LATE.clear()
     CLOCK.stop()
     _LIFTED.active = False
     _LIFTED.restore()

@@ -262,21 +262,30 @@ def test_the_backend_selects_segment_attention_itself():
     assert results["segments"][1] == pytest.approx(results["transformers"][1], rel=1e-5)
 
 
-def test_a_compile_right_after_a_dynamo_reset_says_what_it_missed(caplog):
-    """torch._dynamo.reset() drops the compile-start callback: the graph keeps transformers'
-    attention, and the backend says so and what to call."""
+def test_a_compile_right_after_a_dynamo_reset_still_gets_segment_attention(caplog):
+    """torch._dynamo.reset() drops the compile-start callback, so the first trace keeps
+    transformers' attention; the backend then selects segment attention and has Dynamo trace the
+    frame again (compile_start.Retrace): the compiled graph holds no seq x seq value, one graph,
+    the loss equal to eager's, and the log says what happened."""
+    import copy
     import logging
 
-    from conftest import batch, tiny_model
+    from conftest import tiny_model
+    ids, layouts = _layouts()
+    kw = layouts["left"]
+    labels = ids.masked_fill(kw["attention_mask"] == 0, -100)
     model = tiny_model("llama", layers=2)
-    ids, mask, labels = batch(2, 8, seed=0, pad_left=2)
+    want = copy.deepcopy(model)(input_ids=ids, labels=labels, use_cache=False, **kw).loss.item()
     torch._dynamo.reset()
     megacompile.compile_start.unregister()   # (what torch._dynamo.reset() itself does to it)
-    with caplog.at_level(logging.WARNING, logger="megacompile.compile_start"):
+    with caplog.at_level(logging.INFO, logger="megatrain.compile"):
         cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu"})
-        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
-    assert "megacompile.reset() instead of torch._dynamo.reset()" in caplog.text
-    assert model.config._attn_implementation == "sdpa"
+        loss = cmodel(input_ids=ids, labels=labels, use_cache=False, **kw).loss
+        loss.backward()
+    assert "traced without megatrain's compile-start callback" in caplog.text and "segment attention" in caplog.text
+    assert model.config._attn_implementation == "megatrain_segment"
+    assert _quadratic(model) == [] and megacompile.stats(cmodel)["compiled_graphs"] == 1
+    assert loss.item() == pytest.approx(want, rel=1e-5)
 
 
 def test_attention_option_is_checked():
