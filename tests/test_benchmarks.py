@@ -65,6 +65,7 @@ def test_long_context_benchmark_smoke_run():
     assert rows and len(rows[0]) == 6, out   # seq, megatrain s and peak, eager s and peak, ratio
 
 
+@pytest.mark.slow   # (37 s; the tier's exactness is tests/test_state_tier.py's, and the GPU session no longer runs it)
 def test_nvme_tier_benchmark_smoke_run():
     out = run("nvme_tier.py", "--hidden", "64", "--layers", "1", "--vocab", "512", "--seq", "16", "--steps", "1",
               "--warmup", "1", "--probe-mib", "4", "--min-numel", "1024", "--plan-models")
