@@ -108,17 +108,15 @@ def prepare_late(model: torch.nn.Module, attention_choice: str) -> str | None:
 
 
 def late(model: torch.nn.Module, attention_choice: str) -> None:
-    """From the backend: warn when the compile-start callback could not select segment attention
-    for a model it would have selected it for (a compile right after `torch._dynamo.reset()`)."""
+    """From the backend, on the graph it compiles: warn when a model segment attention can run
+    still has transformers' attention (the start callback and `prepare_late` both selected it;
+    only transformers refusing the implementation leaves it so)."""
     if attention_choice != "segments" or attention.why_not(model) is not None:
         return
     if model.config.get_text_config(decoder=True)._attn_implementation != attention.NAME:
-        log.warning("megatrain: %s was traced before megatrain could select its segment attention (a compile right "
-                    "after torch._dynamo.reset(), which drops megatrain's compile-start callback): it keeps "
-                    "transformers' attention, whose mask grows with seq x seq. Use "
-                    "megacompile.reset() instead of torch._dynamo.reset() (or call "
-                    "megacompile.compile_start.register() after it), before compiling.",
-                    type(model).__name__)
+        log.warning("megatrain: %s keeps transformers' attention, whose mask grows with seq x seq: transformers did "
+                    "not accept megatrain's segment attention for it (megacompile/attention.py select). Long "
+                    "sequences need far more device memory this way.", type(model).__name__)
 
 
 class LiftedGrads:
