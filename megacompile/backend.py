@@ -27,13 +27,13 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from . import compile_start, distributed
-from .capture import ModelCapture, _current_tx, capture_inputs, compiled_model_in_stack
+from .capture import ModelCapture, capture_inputs, compiled_model_in_stack
 from .compile_progress import CLOCK
 from .options import Options
 from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, Compiled, compiled
 from .passes import PassContext, run_pipeline
 from .passes.memory_plan import check_budget
-from .passes.pipelines import DIRECTION_PASSES, DYNAMO_PASSES, JOINT_PASSES, check_pipelines  # noqa: F401
+from .passes.pipelines import DIRECTION_PASSES, DYNAMO_PASSES, JOINT_PASSES
 from .runtime import store
 from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
 from .runtime.executor import DirectionRunner
@@ -309,12 +309,7 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         if changed:
             _log.info("megatrain: %s was traced without megatrain's compile-start callback (torch._dynamo.reset() "
                      "drops it); prepared now (%s), traced again", type(root).__name__, changed)
-            # (the new trace takes another path through the attention code: Dynamo's speculation
-            # log, kept across restarts to replay the same path, would refuse it)
-            tx = _current_tx()
-            if tx is not None:
-                tx.speculation_log.clear()
-            raise compile_start.Retrace(restart_reason=f"megatrain prepared the model: {changed}")
+            compile_start.retrace(f"megatrain prepared the model: {changed}")
     capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})})
     CLOCK.stage(f"traced at {{at}}: {capture.num_layers} decoder layers; AOTAutograd differentiates and "
                 "partitions the step")

@@ -76,7 +76,7 @@ class ModelCapture:
         return f"{self.layer_prefix}.{group - 1}"
 
 
-def _current_tx():
+def current_tx():
     """Dynamo's instruction translator for the frame being compiled (None outside a compile)."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
@@ -86,7 +86,7 @@ def _current_tx():
 
 
 def _current_frame_locals() -> dict[str, Any] | None:
-    tx = _current_tx()
+    tx = current_tx()
     if tx is None:
         return None
     root_tx = getattr(getattr(tx, "output", None), "root_tx", None) or tx  # the outermost frame
@@ -94,7 +94,7 @@ def _current_frame_locals() -> dict[str, Any] | None:
 
 
 def _compile_reason():
-    return getattr(getattr(_current_tx(), "output", None), "compile_subgraph_reason", None)
+    return getattr(getattr(current_tx(), "output", None), "compile_subgraph_reason", None)
 
 
 def _modules_in(value: Any, depth: int = 0):

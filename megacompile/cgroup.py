@@ -33,3 +33,14 @@ def cgroup_dirs(base: Path, rel: str) -> list[Path]:
     parts = [p for p in rel.split("/") if p not in ("", ".", "..")]
     dirs = [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
     return [d for d in dirs if d.is_dir()]
+
+
+def memberships(proc_self_cgroup: Path) -> list[tuple[bool, list[str], str]]:
+    """This process's cgroups, one per line of /proc/self/cgroup: (cgroup v2 (the unified "0::"
+    line), the v1 hierarchy's controllers, the cgroup's path below the mount)."""
+    out = []
+    for line in (read_text(proc_self_cgroup) or "").splitlines():
+        hid, _, rest = line.partition(":")
+        controllers, _, rel = rest.partition(":")
+        out.append((hid == "0" and controllers == "", controllers.split(",") if controllers else [], rel))
+    return out

@@ -46,7 +46,7 @@ import torch
 from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 
 from . import attention, output_hooks
-from .capture import outermost_compiled_module
+from .capture import current_tx, outermost_compiled_module
 from .compile_progress import CLOCK
 from .runtime.store import assign_grad
 
@@ -85,6 +85,16 @@ class Retrace(TensorifyScalarRestartAnalysis):
     """Trace this frame again: megatrain prepared the model after the trace began. (Dynamo lets
     this restart family through from a backend, where it wraps other errors, and restarts the
     frame's analysis; a subclass, so its reason is ours.)"""
+
+
+def retrace(reason: str) -> None:
+    """Raise Retrace from the backend. The new trace takes another path through the code it
+    prepared (the attention's mask function): Dynamo's speculation log, kept across restarts to
+    replay the same path, would refuse it, so it is cleared first."""
+    tx = current_tx()
+    if tx is not None:
+        tx.speculation_log.clear()
+    raise Retrace(restart_reason=reason)
 
 
 def prepare_late(model: torch.nn.Module, attention_choice: str) -> str | None:

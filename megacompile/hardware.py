@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from .cgroup import cgroup_dirs as _cgroup_dirs
+from .cgroup import memberships
 from .cgroup import read_int as _read_int
 from .cgroup import read_text as _read
 from .cgroup import stat_value as _stat_value
@@ -309,10 +310,8 @@ def host_memory_limit(proc_meminfo: str | os.PathLike = "/proc/meminfo",
             pass
 
     root = Path(cgroup_root)
-    for line in (_read(Path(proc_self_cgroup)) or "").splitlines():
-        hid, _, rest = line.partition(":")
-        controllers, _, rel = rest.partition(":")
-        if hid == "0" and controllers == "":   # cgroup v2 (unified)
+    for v2, controllers, rel in memberships(Path(proc_self_cgroup)):
+        if v2:
             for d in _cgroup_dirs(root, rel):
                 raw = (_read(d / "memory.max") or "").strip()
                 if not raw.isdigit():   # "max" (no limit) or no memory controller here
@@ -321,7 +320,7 @@ def host_memory_limit(proc_meminfo: str | os.PathLike = "/proc/meminfo",
                 used = max(0, (_read_int(d / "memory.current") or 0) - _stat_value(d / "memory.stat", "inactive_file"))
                 candidates.append((max(0, limit - used),
                                    f"cgroup memory.max {_fmt_gib(limit)} ({_fmt_gib(used)} in use)"))
-        elif "memory" in controllers.split(","):   # cgroup v1 memory controller
+        elif "memory" in controllers:   # cgroup v1 memory controller
             for d in _cgroup_dirs(root / "memory", rel):
                 limit = _read_int(d / "memory.limit_in_bytes")
                 if limit is None or limit >= _V1_UNLIMITED:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from .cgroup import cgroup_dirs, read_int, read_text
+from .cgroup import cgroup_dirs, memberships, read_int, read_text
 
 log = logging.getLogger("megatrain.plan")
 
@@ -76,16 +76,14 @@ class HostRates:
 def _quota_cores(cgroup_root: Path, proc_self_cgroup: Path) -> tuple[float, str] | None:
     """The tightest cgroup CPU quota over this process's cgroup and its ancestors, in cores."""
     best: tuple[float, str] | None = None
-    for line in (read_text(proc_self_cgroup) or "").splitlines():
-        hid, _, rest = line.partition(":")
-        controllers, _, rel = rest.partition(":")
+    for v2, controllers, rel in memberships(proc_self_cgroup):
         found = []
-        if hid == "0" and controllers == "":   # cgroup v2: "cpu.max" = "<quota|max> <period>"
+        if v2:   # "cpu.max" = "<quota|max> <period>"
             for d in cgroup_dirs(cgroup_root, rel):
                 cols = (read_text(d / "cpu.max") or "").split()
                 if len(cols) == 2 and cols[0].isdigit() and cols[1].isdigit() and int(cols[1]) > 0:
                     found.append((int(cols[0]) / int(cols[1]), f"cgroup cpu.max {cols[0]} {cols[1]}"))
-        elif "cpu" in controllers.split(","):  # cgroup v1: cfs quota -1 = none
+        elif "cpu" in controllers:  # cgroup v1: cfs quota -1 = none
             for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
                 for d in cgroup_dirs(cgroup_root / name, rel):
                     quota, period = read_int(d / "cpu.cfs_quota_us"), read_int(d / "cpu.cfs_period_us")
@@ -147,8 +145,7 @@ def stream_ops(elements: int) -> tuple[dict, dict]:
     ext = kernel()
     a, b, c = torch.rand(elements), torch.rand(elements), torch.empty(elements)
     threads = torch.get_num_threads()
-    update = ((lambda: ext.stream_update(c, b, 0.5, threads)) if ext is not None and hasattr(ext, "stream_update")
-              else (lambda: c.add_(b, alpha=0.5)))
+    update = (lambda: ext.stream_update(c, b, 0.5, threads)) if ext is not None else (lambda: c.add_(b, alpha=0.5))
     fns = {"copy": lambda: c.copy_(a), "triad": lambda: torch.add(a, b, alpha=0.5, out=c), "update": update}
     return fns, {"copy": 8 * elements, "triad": 12 * elements, "update": 12 * elements}
 

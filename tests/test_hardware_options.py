@@ -435,8 +435,8 @@ def test_disable_passes_names_real_passes():
                                  "unshare_weight_views", "recompute_boundaries", "selective_recompute",
                                  "routed_experts", "split_segments", "dedupe_bodies", "schedule", "memory_plan",
                                  "tile_mlp", "offload_checkpoints"}
-    from megacompile import backend
-    lists = (backend.DYNAMO_PASSES, backend.JOINT_PASSES, backend.DIRECTION_PASSES)
+    from megacompile.passes import pipelines
+    lists = (pipelines.DYNAMO_PASSES, pipelines.JOINT_PASSES, pipelines.DIRECTION_PASSES)
     assert set(pass_names()) == {p.name for passes in lists for p in passes} \
         and len(set(pass_names())) == len(pass_names())
     assert Options.from_mapping({"device": "cpu", "disable_passes": "dedupe_bodies"}).disable_passes \

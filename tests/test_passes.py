@@ -5,7 +5,7 @@ import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from megacompile.passes import GROUP, PassContext, run_pipeline
+from megacompile.passes import GROUP, PassContext, pipelines, run_pipeline
 from megacompile.passes.layer_regions import PROLOGUE, layer_regions
 from megacompile.passes.recompute_boundaries import recompute_boundaries
 from megacompile.passes.tag_weights import tag_weights
@@ -120,7 +120,7 @@ def test_disabling_each_pass_runs_or_is_refused_before_any_work(monkeypatch):
     # the passes others read cannot be switched off; the rest can
     assert set(refused) == {"tag_weights", "layer_regions", "recompute_boundaries", "split_segments", "schedule"}
     with pytest.raises(ContractError, match="pass 'offload_checkpoints' reads graph key 'mt_schedule'"):
-        backend.check_pipelines(("schedule",))
+        pipelines.check_pipelines(("schedule",))
 
 
 def test_a_profiler_trace_shows_the_schedule_ops_per_segment():
