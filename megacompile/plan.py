@@ -224,12 +224,21 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
                 if a.name in produced:
                     saved[produced[a.name]] += value_bytes(a.meta.get("val"))
         layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
-        per_body = {name: body_seconds(body, hw) for name, body in done.bodies.items()}
-        seconds = [per_body[name] for name in done.body_of]
-        out[direction] = DirectionCosts(segs, seconds, layer, saved, done.plan.peak_bytes if done.plan else 0,
+        bodies = [done.bodies[name] for name in done.body_of]
+        out[direction] = DirectionCosts(segs, body_costs(bodies, hw), layer, saved,
+                                        done.plan.peak_bytes if done.plan else 0,
                                         done.plan.host_checkpoint_bytes if done.plan else 0,
-                                        [done.bodies[name] for name in done.body_of], done.schedule.lookahead)
+                                        bodies, done.schedule.lookahead)
     return Capture(batch, out)
+
+
+def body_costs(bodies: list, hw: Hardware) -> list[float]:
+    """Each segment's body seconds on `hw`, a body shared by several segments costed once."""
+    seconds: dict[int, float] = {}
+    for body in bodies:
+        if id(body) not in seconds:
+            seconds[id(body)] = body_seconds(body, hw)
+    return [seconds[id(body)] for body in bodies]
 
 
 # -- the plan -------------------------------------------------------------------------------

@@ -21,11 +21,10 @@ import textwrap
 import time
 from dataclasses import dataclass
 
-from .cost_model import body_seconds
 from .errors import CannotFitError
 from .hardware import BUILTIN, Hardware
 from .passes.schedule import choose_lookahead
-from .plan import Capture, Plan, _capture, _fmt, plan_model
+from .plan import Capture, Plan, _capture, _fmt, body_costs, plan_model
 from .simulate import SegmentCost
 
 #: the host RAM sizes compared (as --host-ram spells them: decimal units)
@@ -83,14 +82,8 @@ class PlanMemo:
 
 def recosted(cap: Capture, hw: Hardware) -> Capture:
     """`cap` with every segment's body seconds on `hw` (as plan._capture costs them)."""
-    out = {}
-    for name, d in cap.directions.items():
-        per_body: dict[int, float] = {}
-        for body in d.bodies:
-            if id(body) not in per_body:
-                per_body[id(body)] = body_seconds(body, hw)
-        out[name] = dataclasses.replace(d, seconds=[per_body[id(body)] for body in d.bodies])
-    return Capture(cap.batch, out)
+    return Capture(cap.batch, {name: dataclasses.replace(d, seconds=body_costs(d.bodies, hw))
+                               for name, d in cap.directions.items()})
 
 
 def lookaheads(cap: Capture, hw: Hardware, slots: int) -> dict[str, int]:
