@@ -149,7 +149,12 @@ def optimizer_seconds(trainable_params: int, hw: Hardware) -> float:
 
 #: ops above these sizes are not run (their roofline estimate is used): keeps planning fast
 MEASURE_MAX_FLOPS, MEASURE_MAX_BYTES = 4e10, 2**28
-_measured: dict[tuple, float] = {}
+_measured: dict[tuple, float] = {}   # (op or body code, shapes) -> fastest seconds seen in this process
+
+
+def forget_measured() -> None:
+    """Time ops and bodies again on the next plan (a benchmark repeating its prediction)."""
+    _measured.clear()
 
 
 def _key(n: fx.Node) -> tuple:

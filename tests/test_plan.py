@@ -118,13 +118,11 @@ def test_100b_class_prediction():
 @pytest.mark.serial
 def test_prediction_matches_measured_cpu_steps_within_25_percent():
     """The simulator against real steps on this machine (benchmarks/plan_accuracy.py), two sizes.
-    Both sides use their fastest run: on a shared 2-core machine other load only adds time, and
-    medians drift by 20-30% between runs."""
+    Two rounds of (measure, predict), interleaved; each side keeps its fastest round: on a shared
+    2-core VM other load only adds time, to either side, and one plan's body timings came out 60%
+    slow in a burst (CI failed at 1.31 that way)."""
     import plan_accuracy
-    for _attempt in range(2):  # a burst of load during one side of the comparison: measure again
-        rows = plan_accuracy.run(steps=6)
-        if all(0.75 <= r["ratio_to_fastest"] <= 1.25 for r in rows):
-            break
+    rows = plan_accuracy.run(steps=4, rounds=2)
     for r in rows:
         assert 0.75 <= r["ratio_to_fastest"] <= 1.25, rows
 
