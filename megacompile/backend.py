@@ -13,7 +13,9 @@ Dynamo hands us one whole-model graph whose inputs include the real parameters. 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import unittest.mock
 import logging
 import time
 import weakref
@@ -25,15 +27,19 @@ import torch.fx as fx
 from torch._decomp import get_decompositions
 from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
 from . import compile_start, distributed
 from .capture import ModelCapture, capture_inputs, compiled_model_in_stack
 from .compile_progress import CLOCK
 from .options import Options
-from .ir import CHECKPOINTS, GROUP, MEMORY_PLAN, Compiled, compiled
+from .ir import CHECKPOINTS, GROUP, LAYER_REGIONS, MEMORY_PLAN, Compiled, LayerRegions, compiled
 from .passes import PassContext, run_pipeline
 from .passes.memory_plan import check_budget
+from .errors import MegatrainError
+from .passes.inline_layer_regions import inline_layer_regions
 from .passes.pipelines import DIRECTION_PASSES, DYNAMO_PASSES, JOINT_PASSES
+from .passes.recompute_boundaries import recompute_whole_layer
 from .runtime import store
 from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
 from .runtime.executor import DirectionRunner
@@ -86,6 +92,7 @@ class Program:
             self.checkpoints = CheckpointMover(device)
         self.hardware = options.hardware_profile()
         self.pass_records: dict[str, list] = {}
+        self.layer_regions: LayerRegions | None = None   # what AOTAutograd traced once per layer kind
         self.lowering_records: dict[str, dict] = {}   # direction -> body -> eager | inductor, and why
         self.last_stats: dict[str, Any] = {}
         self._step: dict[str, Any] = {}
@@ -150,6 +157,8 @@ class Program:
 
     # AOTAutograd hooks ------------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs, **kwargs):
+        if not joint_inputs:   # a layer kind's subgraph (passes/layer_subgraphs.py), partitioned once per kind
+            return min_cut_rematerialization_partition(recompute_whole_layer(joint), joint_inputs, **kwargs)
         ctx = self.context("joint")
         budget = self.options.device_budget_bytes
         offload = self.options.offload_checkpoints
@@ -325,12 +334,35 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     ctx = program.context("dynamo")
     gm = run_pipeline(gm, DYNAMO_PASSES, ctx)
     program.pass_records["dynamo"] = ctx.records
+    program.layer_regions = gm.meta.get(LAYER_REGIONS)
+    _log_regions(program.layer_regions)
     if opts.torch_device.type != "cpu":
         trace_inputs = fake_inputs_on(gm, example_inputs, opts.torch_device)
+    try:
+        compiled = _differentiate(program, gm, trace_inputs)
+    except MegatrainError:
+        raise
+    except Exception as e:   # torch cannot trace a layer subgraph: the whole graph, as before
+        regions = program.layer_regions
+        if regions is None or not regions.kinds:
+            raise
+        why = f"AOTAutograd failed on the layer subgraphs ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        _log.info("megatrain: %s; the whole graph is traced instead", why)
+        gm = run_pipeline(gm, [inline_layer_regions], program.context("dynamo"))
+        program.layer_regions = LayerRegions(off=why)
+        program.compiled.clear()
+        program.runners.clear()
+        compiled = _differentiate(program, gm, trace_inputs)
+    _PROGRAMS.setdefault(capture.root, []).append(program)
+    return compiled
+
+
+def _differentiate(program: Program, gm: fx.GraphModule, trace_inputs):
+    """AOTAutograd over the Dynamo graph with the program's partition and direction compilers."""
     # Lower the backward right away (not at the first backward call): errors such as a budget
     # that cannot fit surface before any training work, and the step's plan is complete.
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        compiled = aot_module_simplified(
+    with functorch_config.patch(force_non_lazy_backward_lowering=True), _regions_checked(program.layer_regions):
+        return aot_module_simplified(
             gm,
             trace_inputs,
             fw_compiler=lambda g, _inputs: program.compile("forward", g),
@@ -339,8 +371,33 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
             partition_fn=program.partition,
             decompositions=DECOMPOSITIONS,
         )
-    _PROGRAMS.setdefault(capture.root, []).append(program)
-    return compiled
+
+
+@contextlib.contextmanager
+def _regions_checked(regions: LayerRegions | None):
+    """AOTAutograd's trace with our layer subgraphs: torch's invoke_subgraph re-traces a subgraph
+    at every call under autograd to look for writes to its inputs (0.12 s a layer: 15 s at 64
+    layers); layer_subgraphs.py formed none that write to their inputs, so that check is off
+    while this graph is traced (restored after)."""
+    if regions is None or not regions.kinds:
+        yield
+        return
+    with unittest.mock.patch.object(invoke_subgraph, "_supports_training_input_mutation", True):
+        yield
+
+
+def _log_regions(regions: LayerRegions | None) -> None:
+    """Which path AOTAutograd takes, and why (passes/layer_subgraphs.py)."""
+    if regions is None:
+        return
+    if regions.off:
+        _log.info("megatrain: AOTAutograd traces the whole graph: %s", regions.off)
+        return
+    layers = sum(len(g) for g in regions.kinds.values())
+    _log.info("megatrain: %d decoder layers in %d layer kind(s), each traced once by AOTAutograd", layers,
+              len(regions.kinds))
+    for group, why in sorted(regions.flat.items()):
+        _log.info("megatrain: decoder layer %d traced in line: %s", group - 1, why)
 
 
 def fake_inputs_on(gm: fx.GraphModule, example_inputs, device: torch.device) -> list:

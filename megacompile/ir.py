@@ -65,6 +65,8 @@ FUSED_LM_LOSS = _key("mt_fused_lm_loss", "node", "the fused LM head + loss op an
 # graph-level results ---------------------------------------------------------------------
 SCHEDULE = _key("mt_schedule", "graph", "direction graph -> Schedule (when weights and gradients move)")
 MEMORY_PLAN = _key("mt_memory_plan", "graph", "direction graph -> MemoryPlan (device bytes at every step)")
+LAYER_REGIONS = _key("mt_layer_regions", "graph", "Dynamo graph -> LayerRegions: the decoder layers that run as one "
+                     "invoke_subgraph call per layer, one subgraph per layer kind, and the layers left flat (why)")
 CHECKPOINTS = _key("mt_checkpoints", "graph", "forward graph -> output positions of the layer checkpoints to keep "
                    "on the host; backward graph -> their placeholder positions (set when the joint graph is "
                    "partitioned)")
@@ -72,6 +74,20 @@ CHECKPOINTS = _key("mt_checkpoints", "graph", "forward graph -> output positions
 #: what runtime/executor.py reads from a direction graph (SEGMENT, FLAT_INDEX and WEIGHT_GROUP
 #: tags, the schedule); BODY and MEMORY_PLAN are read when present
 RUNTIME_READS = (SEGMENT, FLAT_INDEX, WEIGHT_GROUP, SCHEDULE)
+
+
+#: the sentinel that stands for "the decoder layer this body runs as" in the module paths
+#: (`nn_module_stack`) of a layer-kind subgraph: one subgraph serves every layer of its kind,
+#: and inlining it writes each call's own layer in its place (passes/inline_layer_regions.py)
+LAYER_SENTINEL = "<layer>"
+
+
+@dataclass
+class LayerRegions:
+    """What passes/layer_subgraphs.py did to a Dynamo graph (graph key LAYER_REGIONS)."""
+    kinds: dict[str, list[int]] = field(default_factory=dict)   # subgraph attribute -> its layers' groups
+    flat: dict[int, str] = field(default_factory=dict)          # group -> why it stayed flat
+    off: str = ""                                               # why no layer became a region
 
 
 # the schedule ----------------------------------------------------------------------------

@@ -36,11 +36,17 @@ _INDEX = re.compile(r"\[(\d+)\]")
 def group_rank(group: int, ctx: PassContext) -> int:
     if group == PROLOGUE:
         return PROLOGUE
-    return group if ctx.direction in ("forward", "joint") else ctx.num_groups - 1 - group
+    return group if ctx.direction in ("forward", "joint", "dynamo") else ctx.num_groups - 1 - group
 
 
 def rank_group(rank: int, ctx: PassContext) -> int:
     return group_rank(rank, ctx)  # the mapping is its own inverse
+
+
+def module_fqn(path: str) -> str | None:
+    """A module path as Dynamo writes it (`L['self'].model.layers[3].mlp`) as an FQN relative to
+    the compiled model (`model.layers.3.mlp`)."""
+    return _INDEX.sub(r".\1", _ROOT.sub("", path)) or None
 
 
 def module_path(node: fx.Node) -> str | None:
@@ -48,8 +54,7 @@ def module_path(node: fx.Node) -> str | None:
     stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return None
-    path = list(stack.values())[-1][0]
-    return _INDEX.sub(r".\1", _ROOT.sub("", path)) or None
+    return module_fqn(list(stack.values())[-1][0])
 
 
 def _preferred_rank(node: fx.Node, ctx: PassContext) -> int | None:

@@ -2,7 +2,7 @@
 the front end can list them, check them and validate `disable_passes` without importing the
 backend (options.py did, and backend.py imports options.py: a cycle).
 
-    Dynamo graph ──DYNAMO──> AOTAutograd joint ──JOINT──> min-cut partition
+    Dynamo graph ──DYNAMO──> (one subgraph per layer kind) AOTAutograd joint ──JOINT──> min-cut partition
         ──> forward graph, backward graph ──DIRECTION (each)──> the runtime's program
 
 Each pass has an identity (`identities()`): a hash of its source file and its declared
@@ -16,7 +16,9 @@ from .data_parallel import data_parallel
 from .dedupe_bodies import dedupe_bodies
 from .fused_kernels import fused_kernels
 from .fused_lm_loss import fused_lm_loss
+from .inline_layer_regions import inline_layer_regions, layer_region_inputs
 from .layer_regions import layer_regions
+from .layer_subgraphs import layer_subgraphs
 from .memory_plan import memory_plan
 from .offload_checkpoints import offload_checkpoints
 from .recompute_boundaries import recompute_boundaries
@@ -29,13 +31,15 @@ from .tag_weights import tag_weights
 from .tile_mlp import tile_mlp
 from .unshare_weight_views import unshare_weight_views
 
-# These run on the Dynamo graph itself (torch-level ops, before AOTAutograd).
-DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, retarget_device]
+# These run on the Dynamo graph itself (torch-level ops, before AOTAutograd); the last three cut
+# each decoder layer out into one call of its layer kind's subgraph (traced once per kind).
+DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, retarget_device, tag_weights, layer_regions, layer_subgraphs]
 # On the joint forward + backward graph, before the partitioner.
-JOINT_PASSES = [tag_weights, layer_regions, unshare_weight_views, recompute_boundaries, selective_recompute]
+JOINT_PASSES = [layer_region_inputs, tag_weights, layer_regions, unshare_weight_views, recompute_boundaries,
+                selective_recompute]
 # On the forward and on the backward graph after the partition.
-DIRECTION_PASSES = [tag_weights, routed_experts, layer_regions, unshare_weight_views, split_segments, dedupe_bodies,
-                    schedule, offload_checkpoints, data_parallel, memory_plan]
+DIRECTION_PASSES = [tag_weights, inline_layer_regions, routed_experts, layer_regions, unshare_weight_views,
+                    split_segments, dedupe_bodies, schedule, offload_checkpoints, data_parallel, memory_plan]
 
 
 def all_passes() -> list[GraphPass]:

@@ -56,3 +56,13 @@ def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         if any(u in fwd and u.meta.get(GROUP, PROLOGUE) > group for u in n.users):
             n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return gm
+
+
+def recompute_whole_layer(joint: fx.GraphModule) -> fx.GraphModule:
+    """A layer kind's own joint graph (AOTAutograd partitions each layer_subgraphs.py subgraph
+    apart): every forward node MUST_RECOMPUTE, so the backward recomputes the layer from its
+    inputs, which the outer partition saves as the layer's boundary (what recompute_boundaries
+    does to a layer inside the whole joint graph)."""
+    for n in forward_nodes(joint):
+        n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return joint
