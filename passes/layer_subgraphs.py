@@ -121,6 +121,13 @@ def _refusal(nodes: list[fx.Node], group: int, order: dict[fx.Node, int]) -> str
         return "it reads no weights"
     if groups != {group}:
         return f"it reads the weights of other layers too (groups {sorted(groups - {group})}: a shared block)"
+    for value in [*inputs, *_outputs(nodes)]:
+        example = value.meta.get("example_value")
+        if value.op == "get_attr":
+            return f"it calls a graph of its own ({value.target}: a higher-order op such as an autograd.Function)"
+        if not isinstance(example, (torch.Tensor, int, torch.SymInt, torch.Generator)):
+            return (f"it reads or returns {value.name}, a {type(example).__name__} (torch's subgraph op passes "
+                    "tensors and ints)")
     read = set(inputs)
     for n in nodes:
         if _random(n):
