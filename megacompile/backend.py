@@ -147,6 +147,7 @@ class Program:
             kernels=self.options.kernel_backend,
             logits=self.options.logits,
             mlp_tiles=self.options.mlp_tiles,
+            layer_regions=self.options.layer_regions,
             data_parallel=self.topo.local if self.topo.enabled else self.options.plan_ranks,
             data_parallel_nodes=self.topo.nodes,
             device_budget=self.options.device_budget_bytes,

@@ -49,7 +49,8 @@ def pass_names() -> tuple[str, ...]:
     return pipelines.pass_names()
 
 
-_BOOL_OPTIONS = ("debug_residency", "recompute_head", "routed_experts", "overlap_grads", "host_arena", "debug_passes")
+_BOOL_OPTIONS = ("debug_residency", "recompute_head", "routed_experts", "overlap_grads", "host_arena", "debug_passes",
+                 "layer_regions")
 #: string options: each accepted value and what it means (None: nothing to add)
 _CHOICES = {
     "recompute": {"layer": "least memory", "selective": "keep matmul/attention outputs, recompute only "
@@ -254,6 +255,12 @@ class Options:
     #: inspect --gpus: the schedule shows the sharded fetches and the collectives). A run takes
     #: its ranks from the process group; setting this for a run is refused.
     plan_ranks: int = 1
+    #: Trace each decoder-layer kind once (passes/layer_subgraphs.py): AOTAutograd differentiates
+    #: and partitions one subgraph per kind instead of the whole depth (tiny Llama at 64 layers:
+    #: first step 37 s -> 17 s). Experimental, off by default: on some graphs (tests/
+    #: test_partition.py's boundary checks) the outer partition recomputes the whole forward in one
+    #: backward segment instead of saving each layer's boundary. Exact either way.
+    layer_regions: bool = False
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

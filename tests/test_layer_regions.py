@@ -26,6 +26,7 @@ from megacompile.backend import programs_of
 from megacompile.inspect import build_model_from_config, capture_program
 
 FLAT = {"disable_passes": ["layer_subgraphs"]}
+REGIONS = {"layer_regions": True}
 
 
 def layout(program) -> dict:
@@ -59,7 +60,7 @@ STAYS_FLAT = {"zamba2": "a shared block", "jamba": "functorch transforms", "recu
 
 
 def check_family(name: str) -> None:
-    regional, flat = capture(name), capture(name, FLAT)
+    regional, flat = capture(name, REGIONS), capture(name, FLAT)
     assert flat.layer_regions is None   # (the pass disabled: no record)
     assert layout(regional) == layout(flat), name
     regions = regional.layer_regions
@@ -88,7 +89,8 @@ def test_the_regional_trace_gives_the_whole_graph_program_for_every_family(name)
 
 
 def test_why_a_graph_stays_flat_is_recorded():
-    assert "recompute='selective'" in capture("llama", {"recompute": "selective"}).layer_regions.off
+    assert "recompute='selective'" in capture("llama", {"recompute": "selective", **REGIONS}).layer_regions.off
+    assert capture("llama").layer_regions.off == "option layer_regions=False"
 
 
 def _step(model, ids, labels, options):
@@ -109,7 +111,7 @@ def test_random_stacks_give_the_same_program_and_numbers_either_way(spec, seed):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, VOCAB, (2, 6), generator=g)
     labels = torch.randint(0, VOCAB, (2, 6), generator=g)
-    loss, regional = _step(model, ids, labels, {})
+    loss, regional = _step(model, ids, labels, REGIONS)
     flat_loss, flat = _step(flat_model, ids, labels, FLAT)
     torch.testing.assert_close(loss, flat_loss, rtol=1e-6, atol=1e-7)
     for (name, p), q in zip(model.named_parameters(), flat_model.parameters()):
