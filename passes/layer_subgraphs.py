@@ -91,17 +91,6 @@ def _relative_stack(stack: dict | None, layer: str) -> dict | None:
     return out
 
 
-def _layer_stack(nodes: list[fx.Node], layer: str) -> dict:
-    """The `nn_module_stack` entries down to the layer module itself, from a node of the layer."""
-    for n in nodes:
-        stack = n.meta.get("nn_module_stack") or {}
-        kept = {k: v for k, v in stack.items()
-                if (fqn := module_fqn(v[0]) or "") == layer or layer.startswith(fqn + ".")}
-        if any(module_fqn(v[0]) == layer for v in kept.values()):
-            return kept
-    return {}
-
-
 def _signature(value) -> str:
     if isinstance(value, torch.Tensor):
         return f"T{tuple(value.shape)}{tuple(value.stride())}{value.dtype}{value.device}{value.requires_grad}"
@@ -220,16 +209,12 @@ def layer_subgraphs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with gm.graph.inserting_after(attr):
             call = gm.graph.call_function(invoke_subgraph, (attr, attr_name.replace("layer_kind", "kind"), *inputs))
         call.meta[GROUP] = group
-        # the call is the layer module's: the joint graph's layer_regions places it (and AOT's
-        # backward call, which inherits it) in the layer's group by this path
-        call.meta["nn_module_stack"] = _layer_stack(nodes, layer_fqn(ctx.module_groups, group))
         at = call
         inside = set(nodes)
         for k, out in enumerate(outputs):
             with gm.graph.inserting_after(at):
                 at = gm.graph.call_function(operator.getitem, (call, k))
             at.meta.update({key_: v for key_, v in out.meta.items() if key_ in ("example_value", "val", GROUP)})
-            at.meta["nn_module_stack"] = call.meta["nn_module_stack"]
             for user in [u for u in out.users if u not in inside]:
                 user.replace_input_with(out, at)
         for n in reversed(nodes):
