@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import unittest.mock
 import logging
 import time
+import unittest.mock
 import weakref
 from typing import Any
 
@@ -397,8 +397,6 @@ def _log_regions(regions: LayerRegions | None) -> None:
     layers = sum(len(g) for g in regions.kinds.values())
     _log.info("megatrain: %d decoder layers in %d layer kind(s), each traced once by AOTAutograd", layers,
               len(regions.kinds))
-    for group, why in sorted(regions.flat.items()):
-        _log.info("megatrain: decoder layer %d traced in line: %s", group - 1, why)
 
 
 def fake_inputs_on(gm: fx.GraphModule, example_inputs, device: torch.device) -> list:

@@ -108,8 +108,9 @@ def prepare_late(model: torch.nn.Module, attention_choice: str) -> str | None:
     changed = []
     if output_hooks.install_requested_hooks(model):
         changed.append("transformers' output hooks")
-    text = model.config.get_text_config(decoder=True)
-    if attention_choice == "segments" and text._attn_implementation != attention.NAME:
+    # (why_not: a model segment attention can run; a plain nn.Module has no transformers config)
+    if attention_choice == "segments" and attention.why_not(model) is None \
+            and model.config.get_text_config(decoder=True)._attn_implementation != attention.NAME:
         if attention.select(model) is None:
             changed.append("segment attention")
     if changed:

@@ -41,15 +41,14 @@ from . import PassContext, graph_pass
 from .layer_regions import module_fqn
 
 #: Dynamo graph targets whose position relative to a layer's nodes changes what the layer computes
-_MODE_SWITCHES = {"_set_grad_enabled", "_enter_autocast", "_exit_autocast", "set_autocast_enabled",
-                  "_set_autocast_enabled", "inference_mode"}
+_MODE_SWITCHES = {"set_grad_enabled", "enter_autocast", "exit_autocast", "set_autocast_enabled", "inference_mode"}
 _RANDOM = ("dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "poisson")
 
 
 def _switch(target) -> bool:
     """A grad-mode or autocast switch, or a functorch transform level (vmap's batch dims: Mamba's
     scan): a subgraph cut out from between them would run outside them."""
-    return (_name(target).lstrip("_") in {s.lstrip("_") for s in _MODE_SWITCHES}
+    return (_name(target).lstrip("_") in _MODE_SWITCHES
             or getattr(target, "__module__", "") == "torch._functorch.predispatch")
 
 
@@ -121,7 +120,8 @@ def _refusal(nodes: list[fx.Node], group: int, order: dict[fx.Node, int]) -> str
         return "it reads no weights"
     if groups != {group}:
         return f"it reads the weights of other layers too (groups {sorted(groups - {group})}: a shared block)"
-    for value in [*inputs, *_outputs(nodes)]:
+    outputs = _outputs(nodes)
+    for value in [*inputs, *outputs]:
         example = value.meta.get("example_value")
         if value.op == "get_attr":
             return f"it calls a graph of its own ({value.target}: a higher-order op such as an autograd.Function)"
@@ -135,7 +135,7 @@ def _refusal(nodes: list[fx.Node], group: int, order: dict[fx.Node, int]) -> str
         if _mutates(n, read):
             return f"it writes in place to a value it reads ({_name(n.target)})"
     inside, last = set(nodes), order[nodes[-1]]
-    if any(order[u] < last for o in _outputs(nodes) for u in o.users if u not in inside):
+    if any(order[u] < last for o in outputs for u in o.users if u not in inside):
         return "the graph reads one of its values before its last node"
     return None
 

@@ -100,3 +100,23 @@ def stack_specs(draw, max_layers: int = 5) -> StackSpec:
         skip = draw(st.integers(-1, i - 1)) if i > 0 and draw(st.booleans()) else -1
         blocks.append(BlockSpec(kind, inner, skip))
     return StackSpec(hidden, tuple(blocks), draw(st.booleans()), draw(st.booleans()), draw(st.booleans()))
+
+
+def stack_and_batch(spec: StackSpec, seed: int):
+    """The model of `spec` with weights from `seed`, and a batch (ids, labels) drawn from it."""
+    torch.manual_seed(seed)
+    model = RandomStack(spec)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, 6), generator=g)
+    labels = torch.randint(0, VOCAB, (2, 6), generator=g)
+    return model, ids, labels
+
+
+def compiled_step(model: nn.Module, ids, labels, options: dict):
+    """One forward + backward of `model` under torch.compile(backend="megatrain") on the CPU
+    (Dynamo reset first: each model compiles afresh); the loss."""
+    torch._dynamo.reset()
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", **options})
+    loss = cmodel(ids, labels)
+    loss.backward()
+    return loss

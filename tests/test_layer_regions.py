@@ -117,3 +117,21 @@ def test_random_stacks_give_the_same_program_and_numbers_either_way(spec, seed):
     for (name, p), q in zip(model.named_parameters(), flat_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert layout(regional) == layout(flat)
+
+
+def test_a_long_skip_lets_the_regional_backward_share_more_bodies():
+    """Found in review (a Hypothesis example): with a long skip the whole-graph trace's CSE merges
+    the skip glue into one layer's backward, so alike layers lower distinct backward bodies; the
+    regional trace keeps them alike. Everything else in the program is the same."""
+    from random_stacks import BlockSpec, StackSpec, compiled_step, stack_and_batch
+    spec = StackSpec(8, (BlockSpec("mlp", 8, -1), BlockSpec("mlp", 8, -1), BlockSpec("mlp", 8, 0)), False, False)
+    model, ids, labels = stack_and_batch(spec, 0)
+    flat_model = copy.deepcopy(model)
+    compiled_step(model, ids, labels, {"slots": 2, **REGIONS})
+    compiled_step(flat_model, ids, labels, {"slots": 2, **FLAT})
+    regional, flat = layout(programs_of(model)[-1]), layout(programs_of(flat_model)[-1])
+    assert regional["forward"] == flat["forward"]
+    for key in ("segments", "steps"):
+        assert regional["backward"][key] == flat["backward"][key]
+    assert regional["backward"]["shared_bodies"] == [0, 1, 2, 1, 3]
+    assert flat["backward"]["shared_bodies"] == [0, 1, 2, 3, 4]

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megacompile.backend import programs_of
-from random_stacks import VOCAB, BlockSpec, RandomStack, StackSpec, stack_specs
+from random_stacks import VOCAB, BlockSpec, RandomStack, StackSpec, compiled_step, stack_and_batch, stack_specs
 
 EXAMPLES = int(os.environ.get("MEGATRAIN_HYPOTHESIS_EXAMPLES", "12"))
 
@@ -62,17 +62,9 @@ def check_no_weight_view_crosses_segments(runner) -> None:
 
 
 def run(spec: StackSpec, slots: int, seed: int):
-    torch.manual_seed(seed)
-    model = RandomStack(spec)
+    model, ids, labels = stack_and_batch(spec, seed)
     ref = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (2, 6), generator=g)
-    labels = torch.randint(0, VOCAB, (2, 6), generator=g)
-    torch._dynamo.reset()
-    cmodel = torch.compile(model, backend="megatrain",
-                           options={"device": "cpu", "slots": slots, "debug_residency": True})
-    loss = cmodel(ids, labels)
-    loss.backward()
+    loss = compiled_step(model, ids, labels, {"slots": slots, "debug_residency": True})
     ref_loss = ref(ids, labels)
     ref_loss.backward()
     return model, ref, loss, ref_loss
