@@ -257,10 +257,10 @@ class Options:
     plan_ranks: int = 1
     #: Trace each decoder-layer kind once (passes/layer_subgraphs.py): AOTAutograd differentiates
     #: and partitions one subgraph per kind instead of the whole depth (tiny Llama at 64 layers:
-    #: first step 37 s -> 17 s). Experimental, off by default: on some graphs (tests/
-    #: test_partition.py's boundary checks) the outer partition recomputes the whole forward in one
-    #: backward segment instead of saving each layer's boundary. Exact either way.
-    layer_regions: bool = False
+    #: first step 37 s -> 17 s). Where a region cannot be formed (shared blocks, mode switches,
+    #: random ops, recompute: selective) the whole graph is traced, and the log says why; False
+    #: always traces the whole graph.
+    layer_regions: bool = True
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.

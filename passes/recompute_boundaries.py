@@ -14,6 +14,9 @@ as primals and re-derives transposes (`t(w)`) itself instead of keeping a transp
 """
 from __future__ import annotations
 
+import operator
+
+import torch
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -39,6 +42,17 @@ def recompute_boundaries(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
     fwd = forward_nodes(gm)
     weight_only = set(weight_only_nodes(gm, fwd))
     for n in fwd:
+        if n.target is torch.ops.higher_order.invoke_subgraph:
+            # A layer kind's call (layer_subgraphs.py): its own partition already recomputes the
+            # layer inside its backward call, so the outer backward never re-runs the forward call.
+            # Its getitems are what the backward reads; the partitioner never bans a getitem
+            # (tagging one MUST_SAVE does nothing) and a MUST_RECOMPUTE call would let the
+            # min-cut recompute every layer from the embedding in one segment. Banning the call
+            # makes the getitems the backward needs (each layer's input) the saved boundaries.
+            n.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            continue
+        if n.target is operator.getitem and n.args[0].target is torch.ops.higher_order.invoke_subgraph:
+            continue   # left to the min-cut: saved where the backward reads it, never recomputed
         if n in weight_only:
             # t(w), w.view(...), w.to(dtype): never saved, so no derived copy of a weight stays
             # alive between forward and backward (no ac_graph_id: the partitioner's boundary
