@@ -138,6 +138,18 @@ class Schedule:
         return peak
 
 
+def lazy_graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule that writes its Python code on its first call or first `.code` read, not
+    when built or changed (torch's _LazyGraphModule, which Dynamo builds its own graphs with).
+    A program's segment modules that a shared body stands in for are never called: generating
+    their code was most of split_segments' time (80 layers: 9 s of the 15 s of passes)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:   # (a torch without it: eager code generation, the same program)
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def segment_calls(top: fx.GraphModule) -> list[fx.Node]:
     """The segment calls of a direction graph, in graph order: segment k of the schedule is
     call k (the schedule pass and the program index them alike)."""

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
 from ..errors import InternalError
-from ..ir import LAYER_SENTINEL, WEIGHT_GROUP
+from ..ir import LAYER_SENTINEL, WEIGHT_GROUP, lazy_graph_module
 from . import PassContext, graph_pass
 from .layer_subgraphs import layer_fqn
 
@@ -79,8 +79,10 @@ def inline_layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         gm.graph.erase_node(attr)
         gm.delete_submodule(target)
     gm.graph.lint()
-    gm.recompile()
-    return gm
+    # (code written when first needed: split_segments replaces this graph without running it)
+    inlined = lazy_graph_module(gm, gm.graph)
+    inlined.meta.update(gm.meta)
+    return inlined
 
 
 @graph_pass("layer_region_inputs", uses=())

@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
-from ..ir import GROUP, RANK, SEGMENT
+from ..ir import GROUP, RANK, SEGMENT, lazy_graph_module
 from . import PassContext, graph_pass
 
 
@@ -41,7 +41,7 @@ def _extract(gm: fx.GraphModule, members: list[fx.Node], member_set: set[fx.Node
         env[n].meta = dict(n.meta)
     outputs = [n for n in members if any(u not in member_set for u in n.users)]
     graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(root, graph), inputs, outputs
+    return lazy_graph_module(root, graph), inputs, outputs
 
 
 @graph_pass("split_segments", reads=(RANK, GROUP), writes=(SEGMENT,))
@@ -74,6 +74,6 @@ def split_segments(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     top.output(fx.map_arg(out.args[0], lambda a: env[a]))
     top.lint()
-    new = fx.GraphModule(top_root, top)
+    new = lazy_graph_module(top_root, top)
     new.meta.update(gm.meta)
     return new
