@@ -61,7 +61,7 @@ class PassContext:
     kernels: str = "none"               # "triton": fused kernels replace RMSNorm / SwiGLU (fused_kernels)
     logits: str = "keep"                # "drop": LM head + loss fused, no logits returned (fused_lm_loss)
     mlp_tiles: Any = "auto"             # MLP sequence tiles: an int, or "auto" (tile_mlp)
-    layer_regions: bool = False         # cut decoder layers into one subgraph per kind (layer_subgraphs)
+    layer_regions: bool = True          # cut decoder layers into one subgraph per kind (layer_subgraphs)
     data_parallel: int = 1              # ranks sharing one host copy of the state (data_parallel)
     data_parallel_nodes: int = 1        # nodes holding a replica each (data_parallel)
     disabled: tuple[str, ...] = ()
@@ -103,6 +103,11 @@ class GraphPass:
     writes: tuple[str, ...] = ()
     may_write: tuple[str, ...] = ()
     uses: tuple[str, ...] = ()           # the PassContext fields (options) it reads
+    # passes of a later pipeline that must run on what this one makes (layer_subgraphs' calls are
+    # rewired by layer_region_inputs on the joint, put back in line by inline_layer_regions): the
+    # graph keys of one pipeline do not reach the next (AOTAutograd re-traces), so this is said
+    # here and checked up front by pipelines.check_pipelines
+    needs_later: tuple[str, ...] = ()
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext | PassOptions) -> fx.GraphModule:
         return self.fn(gm, ctx)
@@ -112,7 +117,7 @@ class GraphPass:
         """A stable hash of this pass as it is now: the source of its file, its name, contract
         and the options it declares. With the values of those options it keys a cached result."""
         source = inspect.getsource(inspect.getmodule(self.fn))
-        contract = repr((self.name, self.reads, self.writes, self.may_write, self.uses))
+        contract = repr((self.name, self.reads, self.writes, self.may_write, self.uses, self.needs_later))
         return hashlib.sha256((source + contract).encode()).hexdigest()[:16]
 
     def identity_with(self, opts: PassOptions | PassContext) -> str:
@@ -122,7 +127,7 @@ class GraphPass:
         return hashlib.sha256((self.identity + values).encode()).hexdigest()[:16]
 
 
-def graph_pass(name: str, reads=(), writes=(), may_write=(), uses=()):
+def graph_pass(name: str, reads=(), writes=(), may_write=(), uses=(), needs_later=()):
     """Decorator declaring a pass and its contract (keys from megacompile/ir.py) and the options
     it uses (PassContext fields; the pipeline hands it those alone)."""
     for key in (*reads, *writes, *may_write):
@@ -133,7 +138,7 @@ def graph_pass(name: str, reads=(), writes=(), may_write=(), uses=()):
         raise ValueError(f"pass {name!r}: uses {sorted(set(uses) - fields)}, which are not PassContext fields")
 
     def wrap(fn):
-        return GraphPass(name, fn, tuple(reads), tuple(writes), tuple(may_write), tuple(uses))
+        return GraphPass(name, fn, tuple(reads), tuple(writes), tuple(may_write), tuple(uses), tuple(needs_later))
     return wrap
 
 

@@ -164,7 +164,8 @@ def _cut(gm: fx.GraphModule, nodes: list[fx.Node], layer: str):
 
 
 @graph_pass("layer_subgraphs", reads=(GROUP,), writes=(LAYER_REGIONS,),
-            uses=("num_groups", "module_groups", "recompute", "layer_regions"))
+            uses=("num_groups", "module_groups", "recompute", "layer_regions"),
+            needs_later=("layer_region_inputs", "inline_layer_regions"))
 def layer_subgraphs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     record = gm.meta[LAYER_REGIONS] = LayerRegions()
     if not ctx.layer_regions:

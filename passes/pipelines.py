@@ -11,7 +11,7 @@ contract and options, the part of a cache key that says "this pass, as it is now
 from __future__ import annotations
 
 from ..ir import RUNTIME_READS
-from . import GraphPass, check_pipeline
+from . import ContractError, GraphPass, check_pipeline
 from .data_parallel import data_parallel
 from .dedupe_bodies import dedupe_bodies
 from .fused_kernels import fused_kernels
@@ -61,6 +61,12 @@ def check_pipelines(disabled: tuple[str, ...]) -> None:
     """The contracts of the three pipelines with `disabled` switched off, and what the runtime
     reads from a direction graph: a ContractError before any work, naming the reader, the key
     and the disabled pass that writes it."""
+    for p in all_passes():
+        off = [later for later in p.needs_later if later in disabled]
+        if p.name not in disabled and off:
+            raise ContractError(f"pass {p.name!r} makes graphs that pass {off[0]!r} must handle later, and it is "
+                                f"disabled (disable_passes={list(disabled)}): disable {p.name!r} too, or enable "
+                                f"{off[0]!r}.")
     check_pipeline(DYNAMO_PASSES, disabled)
     check_pipeline(JOINT_PASSES, disabled)
     check_pipeline(DIRECTION_PASSES, disabled, then_reads=RUNTIME_READS, reader="the runtime's executor")
