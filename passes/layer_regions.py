@@ -24,6 +24,7 @@ import operator
 import re
 
 import torch.fx as fx
+from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
 from ..ir import FLAT_INDEX, GROUP, RANK, WEIGHT_GROUP
 from . import PassContext, graph_pass
@@ -63,6 +64,11 @@ def _preferred_rank(node: fx.Node, ctx: PassContext) -> int | None:
 
 
 def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
+    if node.target is invoke_subgraph:
+        # a layer kind's call (layer_subgraphs.py) has no module path of its own: it belongs to
+        # the layer whose weights it reads (mark_checkpoints reads the groups of its outputs)
+        groups = {a.meta[WEIGHT_GROUP] for a in node.all_input_nodes if WEIGHT_GROUP in a.meta}
+        return groups.pop() if len(groups) == 1 else None
     path = module_path(node)
     while path:
         if path in ctx.module_groups:

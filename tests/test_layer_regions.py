@@ -90,7 +90,8 @@ def test_the_regional_trace_gives_the_whole_graph_program_for_every_family(name)
 
 def test_why_a_graph_stays_flat_is_recorded():
     assert "recompute='selective'" in capture("llama", {"recompute": "selective", **REGIONS}).layer_regions.off
-    assert capture("llama").layer_regions.off == "option layer_regions=False"
+    assert capture("llama", {"layer_regions": False}).layer_regions.off == "option layer_regions=False"
+    assert capture("llama").layer_regions.off == ""   # (on by default)
 
 
 def _step(model, ids, labels, options):
