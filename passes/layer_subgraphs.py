@@ -141,7 +141,7 @@ def _refusal(nodes: list[fx.Node], group: int, order: dict[fx.Node, int]) -> str
 
 
 def _cut(gm: fx.GraphModule, nodes: list[fx.Node], layer: str):
-    """(subgraph, its inputs, its outputs, kind key) of `nodes`."""
+    """(subgraph's graph, its inputs, its outputs, kind key) of `nodes`."""
     inputs, outputs = _inputs(nodes), _outputs(nodes)
     sub = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -156,11 +156,11 @@ def _cut(gm: fx.GraphModule, nodes: list[fx.Node], layer: str):
     sub.output(tuple(env[o] for o in outputs))
     for i, node in enumerate(n for n in sub.nodes if n.op not in ("output", "placeholder")):
         node._rename(f"v{i}")   # (equal layers give equal code)
-    sub_gm = fx.GraphModule(gm, sub)
     stacks = repr([n.meta.get("nn_module_stack") and list(n.meta["nn_module_stack"]) for n in sub.nodes])
     signature = [_signature(a.meta.get("example_value")) for a in inputs]
-    key = hashlib.sha256((sub_gm.code + repr(signature) + stacks).encode()).hexdigest()[:16]
-    return sub_gm, inputs, outputs, key
+    code = sub.python_code(root_module="self").src   # (a module is built only for a new kind)
+    key = hashlib.sha256((code + repr(signature) + stacks).encode()).hexdigest()[:16]
+    return sub, inputs, outputs, key
 
 
 @graph_pass("layer_subgraphs", reads=(GROUP,), writes=(LAYER_REGIONS,),
@@ -198,10 +198,10 @@ def layer_subgraphs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     kinds: dict[str, str] = {}   # kind key -> subgraph attribute
     for group in range(1, ctx.num_groups - 1):
         nodes = by_group[group]
-        sub_gm, inputs, outputs, key = _cut(gm, nodes, layer_fqn(ctx.module_groups, group))
+        sub, inputs, outputs, key = _cut(gm, nodes, layer_fqn(ctx.module_groups, group))
         if key not in kinds:
             kinds[key] = f"mt_layer_kind_{len(kinds)}"
-            gm.add_submodule(kinds[key], sub_gm)
+            gm.add_submodule(kinds[key], fx.GraphModule(gm, sub))
             record.kinds[kinds[key]] = []
         attr_name = kinds[key]
         record.kinds[attr_name].append(group)
