@@ -63,7 +63,7 @@ class CannotPlanError(CannotFitError):
     """The model cannot train on this machine as asked; the message says what would fit."""
 
 
-def _fmt(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit, size in (("TiB", 2**40), ("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
@@ -74,7 +74,7 @@ def _given(n: int) -> str:
     """A size the user gave (the CLI's --host-ram keeps their spelling: cli.GivenBytes) in their
     unit and in ours: "1T (931.32 GiB)"; a size they did not give, in ours."""
     given = getattr(n, "given", None)
-    return f"{given} ({_fmt(n)})" if given else _fmt(n)
+    return f"{given} ({fmt_bytes(n)})" if given else fmt_bytes(n)
 
 
 # -- host store -----------------------------------------------------------------------------
@@ -202,7 +202,7 @@ class Capture:
     directions: dict[str, DirectionCosts]
 
 
-def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
+def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
     from .inspect import build_model_from_config, capture_program
     from .log import quiet
     model = build_model_from_config(config, layers, dtype)
@@ -435,7 +435,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         if progress is not None:
             progress(f"[megatrain] plan: compiling the first {prefix_len} layer(s) at batch {b} x seq {seq}{why} "
                      f"({time.monotonic() - started:.0f} s so far) ...")
-        return _capture(config, prefix_len, b, seq, slots, dtype, hardware, opts)
+        return capture_prefix(config, prefix_len, b, seq, slots, dtype, hardware, opts)
     from .errors import ConfigError
     from .inspect import build_meta_model, check_positive
     from .vlm import VISION_MODES, is_vlm
@@ -600,7 +600,8 @@ def _check_floor(config, seq: int, dtype: torch.dtype, capacity: int, source) ->
     if floor > capacity and longest >= 1:   # (no room at all: the plan's own report says what does not fit)
         name = source if isinstance(source, str) else type(config).__name__
         raise CannotPlanError(f"{name} at seq {seq}: the two hidden states at a layer boundary alone need "
-                              f"{_fmt(floor)} ([{seq}, {hidden}] x 2, {dtype}), more than the {_fmt(capacity)} of "
+                              f"{fmt_bytes(floor)} ([{seq}, {hidden}] x 2, {dtype}), "
+                              f"more than the {fmt_bytes(capacity)} of "
                               f"usable device memory, whatever is tiled or offloaded. Sequences shorter than "
                               f"{longest} tokens have room to be planned: try a shorter --seq, or a device with "
                               "more memory.")
@@ -622,34 +623,35 @@ def _check(plan: Plan, m: _Model, p1: int, slope: int) -> None:
     need = plan.host.total
     if need > plan.host_ram:
         plan.problems.append(
-            f"host RAM: the store needs {_fmt(need)} ({need / max(1, plan.model['parameters']):.1f} B/param) but "
-            f"{_given(plan.host_ram)} is available: add at least {_fmt(need - plan.host_ram)} of host RAM "
+            f"host RAM: the store needs {fmt_bytes(need)} ({need / max(1, plan.model['parameters']):.1f} B/param) but "
+            f"{_given(plan.host_ram)} is available: add at least {fmt_bytes(need - plan.host_ram)} of host RAM "
             f"(--host-ram {math.ceil(need / 1e9)}G), {_nvme_advice(plan)}or train a smaller model.")
     if plan.host.ssd_total and plan.ssd_capacity and plan.host.ssd_total > plan.ssd_capacity:
         plan.problems.append(
-            f"NVMe: the state tier needs {_fmt(plan.host.ssd_total)} of disk (2 slots of "
-            f"{_fmt(plan.host.ssd_total // 2)} of {plan.host.placement}) but {_fmt(plan.ssd_capacity)} is "
+            f"NVMe: the state tier needs {fmt_bytes(plan.host.ssd_total)} of disk (2 slots of "
+            f"{fmt_bytes(plan.host.ssd_total // 2)} of {plan.host.placement}) but {fmt_bytes(plan.ssd_capacity)} is "
             f"{plan.ssd_capacity_source}: add drives or free space"
             + (", or --nvme-placement moments with more host RAM" if plan.host.placement == "all" else "") + ".")
     if plan.max_batch < 1:
-        hints = [f"batch 1 at --seq {plan.seq} peaks at {_fmt(p1)} on the device but {_fmt(plan.device_capacity)} "
-                 "is usable"]
+        hints = [f"batch 1 at --seq {plan.seq} peaks at {fmt_bytes(p1)} on the device "
+                 f"but {fmt_bytes(plan.device_capacity)} is usable"]
         if plan.slots > 1:
-            hints.append(f"--slots 1 frees about {_fmt(plan.device_weight_bytes / (plan.slots))} of weights "
+            hints.append(f"--slots 1 frees about {fmt_bytes(plan.device_weight_bytes / (plan.slots))} of weights "
                          "(no prefetch overlap)")
-        hints.append(f"a shorter --seq (activations grow at least linearly with it: {_fmt(slope)} per sample now)")
+        hints.append(f"a shorter --seq (activations grow at least linearly with it: {fmt_bytes(slope)} per sample now)")
         hints.append("recompute_head=True when the logits dominate")
         plan.problems.append("device memory: " + "; ".join(hints) + ".")
     elif plan.best is None and need <= plan.host_ram:
         b = min(plan.batches, key=lambda b: b.batch)
         plan.problems.append(
-            f"host RAM: batch {b.batch} at --seq {plan.seq} keeps {_fmt(b.host_checkpoint_bytes)} of layer checkpoints "
-            f"on the host beside the store's {_fmt(need)}, but {_given(plan.host_ram)} is available: add host RAM "
+            f"host RAM: batch {b.batch} at --seq {plan.seq} keeps {fmt_bytes(b.host_checkpoint_bytes)} "
+            f"of layer checkpoints "
+            f"on the host beside the store's {fmt_bytes(need)}, but {_given(plan.host_ram)} is available: add host RAM "
             f"(--host-ram {math.ceil((need + b.host_checkpoint_bytes) / 1e9)}G) or use a shorter --seq.")
     elif plan.requested_batch and plan.requested_batch > plan.max_batch:
         plan.problems.append(
             f"device memory: batch {plan.requested_batch} at --seq {plan.seq} needs "
-            f"{_fmt(p1 + slope * (plan.requested_batch - 1))} but {_fmt(plan.device_capacity)} is usable: "
+            f"{fmt_bytes(p1 + slope * (plan.requested_batch - 1))} but {fmt_bytes(plan.device_capacity)} is usable: "
             f"the largest batch that fits is {plan.max_batch}; use gradient accumulation for a larger effective batch.")
 
 
@@ -667,7 +669,7 @@ def to_text(plan: Plan) -> str:
     h = plan.host
 
     def where(on_disk: int) -> str:
-        return "" if not plan.ssd else f"   in RAM (+ {_fmt(on_disk)} on NVMe)" if on_disk else "   in RAM"
+        return "" if not plan.ssd else f"   in RAM (+ {fmt_bytes(on_disk)} on NVMe)" if on_disk else "   in RAM"
     tier = bool(h.ssd_total)
     lines = [f"{m['source']} ({m['model_type']}): {m['parameters'] / 1e9:.2f}B parameters "
              f"({m['trainable'] / 1e9:.2f}B trainable), {m['layers']} layers of {m['layer_kinds']} kind(s), "
@@ -675,31 +677,32 @@ def to_text(plan: Plan) -> str:
              f"{plan.lookahead['forward']}, backward {plan.lookahead['backward']}); hardware {hw['name']}",
              "",
              "host RAM" + (f" (NVMe placement {h.placement})" if plan.ssd else ""),
-             f"  fp32 master weights     {_fmt(h.masters):>12}{where(h.ssd_masters)}",
-             f"  optimizer state (AdamW) {_fmt(h.optimizer_state):>12}{where(h.ssd_optimizer_state)}",
-             f"  transfer copy           {_fmt(h.transfer_copy):>12}",
-             f"  gradients (fp32)        {_fmt(h.grads):>12}",
-             *([f"  NVMe bounce buffers     {_fmt(h.tier_pool):>12}"] if h.tier_pool else []),
-             f"  process overhead        {_fmt(h.process_overhead):>12}",
-             f"  total                   {_fmt(h.total):>12}   of {_given(plan.host_ram)} "
+             f"  fp32 master weights     {fmt_bytes(h.masters):>12}{where(h.ssd_masters)}",
+             f"  optimizer state (AdamW) {fmt_bytes(h.optimizer_state):>12}{where(h.ssd_optimizer_state)}",
+             f"  transfer copy           {fmt_bytes(h.transfer_copy):>12}",
+             f"  gradients (fp32)        {fmt_bytes(h.grads):>12}",
+             *([f"  NVMe bounce buffers     {fmt_bytes(h.tier_pool):>12}"] if h.tier_pool else []),
+             f"  process overhead        {fmt_bytes(h.process_overhead):>12}",
+             f"  total                   {fmt_bytes(h.total):>12}   of {_given(plan.host_ram)} "
              f"({'fits' if h.total <= plan.host_ram else 'DOES NOT FIT'})",
-             f"  of which pinned         {_fmt(h.pinned):>12}",
-             *([f"  layer checkpoints       {_fmt(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "
+             f"  of which pinned         {fmt_bytes(h.pinned):>12}",
+             *([f"  layer checkpoints       {fmt_bytes(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "
                 "per step at the best batch, beside the total (offload_checkpoints: they wait in pinned host "
                 "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
              *([f"long sequence: each MLP runs in {plan.mlp_tiles} sequence tiles (mlp_tiles)"]
                if plan.mlp_tiles > 1 else []),
-             *(["", *nvme_lines(plan, _fmt)] if plan.ssd else []),
+             *(["", *nvme_lines(plan, fmt_bytes)] if plan.ssd else []),
              "",
-             f"device memory (usable {_fmt(plan.device_capacity)}; resident weights {_fmt(plan.device_weight_bytes)})",
-             *([f"  vision tower ({plan.vision}) {_fmt(plan.vision_bytes)} on the device "
+             f"device memory (usable {fmt_bytes(plan.device_capacity)}; "
+             f"resident weights {fmt_bytes(plan.device_weight_bytes)})",
+             *([f"  vision tower ({plan.vision}) {fmt_bytes(plan.vision_bytes)} on the device "
                 "(taken out of the usable figure); "
                 "its activations (which grow with the images per batch) are not counted"] if plan.vision else []),
              f"  {'batch':>6} {'peak':>12} {'forward':>10} {'backward':>10} {'optimizer':>10} "
              + (f"{'ssd exposed':>12} " if tier else "") + f"{'step':>10} {'tokens/s':>10}"]
     for b in plan.batches:
         mark = " <- best" if plan.best is b else ""
-        lines.append(f"  {b.batch:>6} {_fmt(b.device_peak_bytes):>11}{'*' if b.captured else ' '} "
+        lines.append(f"  {b.batch:>6} {fmt_bytes(b.device_peak_bytes):>11}{'*' if b.captured else ' '} "
                      f"{b.forward_seconds:>9.3f}s "
                      f"{b.backward_seconds:>9.3f}s {b.optimizer_seconds:>9.3f}s "
                      + (f"{b.ssd_exposed_seconds:>11.3f}s " if tier else "")
@@ -730,7 +733,8 @@ def to_text(plan: Plan) -> str:
         lines.append(f"WARNING: {note}")
     if plan.gpus > 1:
         lines += ["", f"data parallel: {plan.gpus} GPUs on one node, each at the batch above (tokens/s are the "
-                      f"node's); /dev/shm holds the state once: {_fmt(plan.shm_bytes)}; each GPU fetches 1/{plan.gpus} "
+                      f"node's); /dev/shm holds the state once: {fmt_bytes(plan.shm_bytes)}; "
+                      f"each GPU fetches 1/{plan.gpus} "
                       f"of every layer over PCIe and all-gathers the rest, reduce-scatters the gradients in fp32 over "
                       f"the peer links ({hw.get('peer_gbps', 0):.0f} GB/s): the all-gathers under the bodies before "
                       "them, the reduce-scatters on the compute stream"]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from .errors import CannotFitError
 from .hardware import BUILTIN, Hardware
 from .passes.schedule import choose_lookahead
-from .plan import Capture, Plan, _capture, _fmt, body_costs, plan_model
+from .plan import Capture, Plan, capture_prefix, fmt_bytes, body_costs, plan_model
 from .simulate import SegmentCost
 
 #: the host RAM sizes compared (as --host-ram spells them: decimal units)
@@ -61,7 +61,7 @@ class PlanMemo:
 
     def capture(self, config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware,
                 options: dict) -> Capture:
-        """plan._capture's answer for `hw`: a capture made on another profile whose schedule
+        """plan.capture_prefix's answer for `hw`: a capture made on another profile whose schedule
         chose the lookahead `hw` would choose, re-costed on `hw`; else a new capture."""
         key = (id(config), layers, batch, seq, slots, dtype, hw.name == "cpu", repr(sorted(options.items())))
         found = self._captures.setdefault(key, [])
@@ -74,14 +74,14 @@ class PlanMemo:
         if self.progress is not None:
             self.progress(f"[megatrain] plan --compare: compiling the first {layers} layer(s) at batch {batch} x seq "
                           f"{seq} ({time.monotonic() - self.started:.0f} s so far) ...")
-        cap = _capture(config, layers, batch, seq, slots, dtype, hw, options)
+        cap = capture_prefix(config, layers, batch, seq, slots, dtype, hw, options)
         self.compiled += 1
         found.append((cap, hw))
         return cap
 
 
 def recosted(cap: Capture, hw: Hardware) -> Capture:
-    """`cap` with every segment's body seconds on `hw` (as plan._capture costs them)."""
+    """`cap` with every segment's body seconds on `hw` (as plan.capture_prefix costs them)."""
     return Capture(cap.batch, {name: dataclasses.replace(d, seconds=body_costs(d.bodies, hw))
                                for name, d in cap.directions.items()})
 
@@ -160,12 +160,12 @@ class Row:
             what = problem.split(":", 1)[0]
             if what == "host RAM":
                 extra = 0 if p.host.total > p.host_ram else min(b.host_checkpoint_bytes for b in p.batches)
-                out.append(f"host RAM: needs {_fmt(p.host.total + extra)}")
+                out.append(f"host RAM: needs {fmt_bytes(p.host.total + extra)}")
             elif what == "NVMe":
-                out.append(f"NVMe: needs {_fmt(p.host.ssd_total)} of disk")
+                out.append(f"NVMe: needs {fmt_bytes(p.host.ssd_total)} of disk")
             elif what == "device memory" and p.max_batch < 1:
-                out.append(f"GPU memory: batch 1 needs {_fmt(p.batches[0].device_peak_bytes)} of "
-                           f"{_fmt(p.device_capacity)}")
+                out.append(f"GPU memory: batch 1 needs {fmt_bytes(p.batches[0].device_peak_bytes)} of "
+                           f"{fmt_bytes(p.device_capacity)}")
             elif what == "device memory":
                 out.append(f"GPU memory: batch {p.requested_batch} > {p.max_batch}")
             else:
@@ -258,7 +258,7 @@ def _duration(seconds: float) -> str:
 
 
 def _ram(row: Row) -> str:
-    return getattr(row.host_ram, "given", None) or _fmt(row.host_ram)
+    return getattr(row.host_ram, "given", None) or fmt_bytes(row.host_ram)
 
 
 def rows_json(rows: list[Row]) -> list[dict]:
