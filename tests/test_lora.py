@@ -314,7 +314,7 @@ def test_preflight_and_plan_count_only_the_adapters(tiny_dir, tmp_path):
 def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
     import re
     from megacompile.cli import main
-    from megacompile.plan import _fmt
+    from megacompile.plan import fmt_bytes
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_dir}\ndataset: alpaca_demo\ndataset_dir: {Path(__file__).parent.parent}"
                    f"/examples/data\noutput_dir: {tmp_path / 'out'}\nfinetuning_type: lora\nlora_target: q_proj\n"
@@ -322,8 +322,8 @@ def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
     assert main(["plan", str(cfg), "--gpu", "h200", "--host-ram", "1T", "--batch", "1"]) == 0
     out = capsys.readouterr().out
     adapters = 2 * (8 * 32 + 32 * 8)   # rank 8 on q_proj (32 -> 32) of 2 layers
-    assert re.search(rf"fp32 master weights +{re.escape(_fmt(4 * adapters))}\n", out), out
-    assert re.search(rf"optimizer state \(AdamW\) +{re.escape(_fmt(8 * adapters))}\n", out), out
+    assert re.search(rf"fp32 master weights +{re.escape(fmt_bytes(4 * adapters))}\n", out), out
+    assert re.search(rf"optimizer state \(AdamW\) +{re.escape(fmt_bytes(8 * adapters))}\n", out), out
 
 
 def test_llamafactory_lora_run_has_llamafactorys_losses(tmp_path, monkeypatch, own_cache):

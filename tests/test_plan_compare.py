@@ -11,7 +11,7 @@ from conftest import tiny_config
 from megacompile import plan_compare
 from megacompile.cli import main
 from megacompile.hardware import BUILTIN
-from megacompile.plan import _capture, plan_model
+from megacompile.plan import capture_prefix, plan_model
 from megacompile.ssd import load_ssd
 
 #: as the CLI's rows are planned, with the batch capped at 4 (no capture of a larger batch)
@@ -34,9 +34,9 @@ def compared(wide):
 
     def counting(*args):
         compiled.append(args[2])   # (the batch)
-        return _capture(*args)
+        return capture_prefix(*args)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_compare, "_capture", counting)
+        mp.setattr(plan_compare, "capture_prefix", counting)
         rows = plan_compare.compare_plans(wide, **SAME)
     return rows, compiled
 
@@ -97,11 +97,11 @@ def test_captures_are_reused_on_profiles_that_choose_the_same_lookahead(tmp_path
     """The memo's premise: a capture depends on the profile only through the schedule's
     lookahead (predicted here without compiling) and its bodies' seconds (re-costed)."""
     cfg = tiny_config("llama", layers=2, hidden=64, vocab_size=256)
-    base = _capture(cfg, 2, 2, 64, 2, torch.bfloat16, BUILTIN["h200"], {"logits": "drop"})
+    base = capture_prefix(cfg, 2, 2, 64, 2, torch.bfloat16, BUILTIN["h200"], {"logits": "drop"})
     seen, recosts = {tuple(c.lookahead for c in base.directions.values())}, 0
     for name in ("h100", "a100"):
         hw = BUILTIN[name]
-        fresh = _capture(cfg, 2, 2, 64, 2, torch.bfloat16, hw, {"logits": "drop"})
+        fresh = capture_prefix(cfg, 2, 2, 64, 2, torch.bfloat16, hw, {"logits": "drop"})
         want = plan_compare.lookaheads(base, hw, 2)
         assert want == {d: c.lookahead for d, c in fresh.directions.items()}
         seen.add(tuple(want.values()))

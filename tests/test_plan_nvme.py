@@ -29,16 +29,16 @@ GiB = 2**30
 def captures_once():
     """Each (model, batch, seq, options) captured once in this module: the host RAM and the SSD
     bytes, which these tests vary, do not change what a capture sees."""
-    original, memo = megacompile.plan._capture, {}
+    original, memo = megacompile.plan.capture_prefix, {}
 
     def capture(config, layers, batch, seq, slots, dtype, hw, options):
         key = (config.to_json_string(), layers, batch, seq, slots, str(dtype), hw, repr(sorted(options.items())))
         if key not in memo:
             memo[key] = original(config, layers, batch, seq, slots, dtype, hw, options)
         return memo[key]
-    megacompile.plan._capture = capture
+    megacompile.plan.capture_prefix = capture
     yield
-    megacompile.plan._capture = original
+    megacompile.plan.capture_prefix = original
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_a_bad_profile_is_one_line_and_exit_2(wide_json, tmp_path, capsys, profi
     (["--accum", "0"], "--accum"),
 ])
 def test_bad_nvme_arguments_exit_2_before_any_capture(wide_json, capsys, monkeypatch, args, expected):
-    monkeypatch.setattr(megacompile.plan, "_capture", lambda *a: pytest.fail("captured before refusing"))
+    monkeypatch.setattr(megacompile.plan, "capture_prefix", lambda *a: pytest.fail("captured before refusing"))
     assert main(["plan", str(wide_json), "--gpu", "h100", "--host-ram", "1T", *args]) == 2
     assert expected in error_line(capsys)
 

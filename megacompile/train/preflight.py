@@ -45,7 +45,7 @@ def preflight(model, device: torch.device, vision: str = "frozen", placement: st
     and the SSD bytes against the free space of its paths (refuses a run that cannot fit)."""
     from ..hardware import host_memory_limit
     from ..ssd import free_bytes
-    from ..plan import _fmt, host_bytes, vision_device_bytes
+    from ..plan import fmt_bytes, host_bytes, vision_device_bytes
     if placement != "none" and ssd is None:
         raise ValueError(f"preflight: placement {placement!r} needs the SSD profile (choose_tier's)")
     need = host_bytes(model, device.type, placement)
@@ -54,28 +54,28 @@ def preflight(model, device: torch.device, vision: str = "frozen", placement: st
     on_device = vision_device_bytes(model, vision)
     on_ssd = ""
     if need.ssd_total:
-        on_ssd = (f"; NVMe ({ssd.name}, placement {need.placement}): masters {_fmt(need.ssd_masters)}, AdamW "
-                  f"{_fmt(need.ssd_optimizer_state)}, {_fmt(need.ssd_total)} on disk with the 2 slots, in "
+        on_ssd = (f"; NVMe ({ssd.name}, placement {need.placement}): masters {fmt_bytes(need.ssd_masters)}, AdamW "
+                  f"{fmt_bytes(need.ssd_optimizer_state)}, {fmt_bytes(need.ssd_total)} on disk with the 2 slots, in "
                   f"{', '.join(ssd.paths)}")
     elif ssd is not None:
         on_ssd = f"; NVMe ({ssd.name}) not needed: everything fits in RAM"
-    text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {_fmt(need.total)} "
-            f"(masters {_fmt(need.masters)}, AdamW {_fmt(need.optimizer_state)}, transfer copies "
-            f"{_fmt(need.transfer_copy)}, grads {_fmt(need.grads)}"
-            + (f", tier buffers {_fmt(need.tier_pool)}" if need.tier_pool else "")
-            + f") of {_fmt(have)} usable ({why}){on_ssd}; device {device}"
-            + (f" (vision tower, {vision}: {_fmt(on_device)} on it)" if on_device else ""))
+    text = (f"[megatrain] {params / 1e6:.1f}M parameters; host RAM needed {fmt_bytes(need.total)} "
+            f"(masters {fmt_bytes(need.masters)}, AdamW {fmt_bytes(need.optimizer_state)}, transfer copies "
+            f"{fmt_bytes(need.transfer_copy)}, grads {fmt_bytes(need.grads)}"
+            + (f", tier buffers {fmt_bytes(need.tier_pool)}" if need.tier_pool else "")
+            + f") of {fmt_bytes(have)} usable ({why}){on_ssd}; device {device}"
+            + (f" (vision tower, {vision}: {fmt_bytes(on_device)} on it)" if on_device else ""))
     if need.total > have:
         advice = ("put optimizer state on NVMe (nvme: gen5x4 or measure:DIR, nvme_paths: [DIR])" if ssd is None
                   else "nvme_placement: all" if need.placement != "all" else "")
-        raise PreflightError(f"{text}: not enough host RAM. Free or add {_fmt(need.total - have)}, "
+        raise PreflightError(f"{text}: not enough host RAM. Free or add {fmt_bytes(need.total - have)}, "
                              + (f"{advice}, " if advice else "") + "train a smaller model, or freeze part of it.")
     if need.ssd_total:
         free = free_bytes(ssd.paths)
         if free < need.ssd_total:
-            raise PreflightError(f"{text}: not enough free disk for the state tier: it needs {_fmt(need.ssd_total)} "
-                                 f"but {_fmt(free)} is free in {', '.join(ssd.paths)}. Free "
-                                 f"{_fmt(need.ssd_total - free)}, add drives to nvme_paths, or use more host RAM "
+            raise PreflightError(f"{text}: not enough free disk for the state tier: it needs "
+                                 f"{fmt_bytes(need.ssd_total)} but {fmt_bytes(free)} is free in {', '.join(ssd.paths)}. Free "
+                                 f"{fmt_bytes(need.ssd_total - free)}, add drives to nvme_paths, or use more host RAM "
                                  "(nvme_placement: moments keeps the masters in RAM).")
     return text
 
@@ -134,7 +134,7 @@ def plan_check(model, config, device: torch.device, placement: str | None = None
 
 def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | None) -> str:
     from ..host_probe import host_bound
-    from ..plan import _fmt, plan_model
+    from ..plan import fmt_bytes, plan_model
     from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size
@@ -148,23 +148,24 @@ def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | 
     est = next((b for b in plan.batches if b.batch == batch), None)   # None: not even batch 1 fits
     if est is None or est.device_peak_bytes > plan.device_capacity:
         raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} does not fit the "
-                             f"{_fmt(plan.device_capacity)} usable on {device} ({why}). "
+                             f"{fmt_bytes(plan.device_capacity)} usable on {device} ({why}). "
                              + " ".join(plan.problems) + " In the config: lower per_device_train_batch_size (raise "
                              "gradient_accumulation_steps to keep the effective batch) or cutoff_len.")
     host = plan.host.total + est.host_checkpoint_bytes
     if est.host_checkpoint_bytes and host > plan.host_ram:
         raise PreflightError(f"[megatrain] plan: batch {batch} x cutoff_len {config.cutoff_len} keeps "
-                             f"{_fmt(est.host_checkpoint_bytes)} of layer checkpoints in host RAM beside the store's "
-                             f"{_fmt(plan.host.total)}, {_fmt(host)} in all, but {_fmt(plan.host_ram)} is available. "
+                             f"{fmt_bytes(est.host_checkpoint_bytes)} of layer checkpoints in host RAM beside the "
+                             f"store's {fmt_bytes(plan.host.total)}, {fmt_bytes(host)} in all, but "
+                             f"{fmt_bytes(plan.host_ram)} is available. "
                              "In the config: lower per_device_train_batch_size or cutoff_len.")
-    moved = (f"; layer checkpoints on the host: {_fmt(est.host_checkpoint_bytes)}" if est.host_checkpoint_bytes
+    moved = (f"; layer checkpoints on the host: {fmt_bytes(est.host_checkpoint_bytes)}" if est.host_checkpoint_bytes
              else "")
     exposed = (f", of which {est.ssd_exposed_seconds:.2f} s waiting for the NVMe tier ({est.ssd_seconds:.2f} s of "
                "I/O)" if est.ssd_seconds else "")
     bound = host_bound(est)
-    return (f"[megatrain] plan: device peak {_fmt(est.device_peak_bytes)} at batch {batch} x cutoff_len "
-            f"{config.cutoff_len} of {_fmt(plan.device_capacity)} usable on {device} (resident weights "
-            f"{_fmt(plan.device_weight_bytes)}{moved}); about "
+    return (f"[megatrain] plan: device peak {fmt_bytes(est.device_peak_bytes)} at batch {batch} x cutoff_len "
+            f"{config.cutoff_len} of {fmt_bytes(plan.device_capacity)} usable on {device} (resident weights "
+            f"{fmt_bytes(plan.device_weight_bytes)}{moved}); about "
             f"{est.step_seconds:.2f} s/step{exposed} ({why})"
             + (f"\n[megatrain] plan: WARNING: {bound}" if bound and device.type != "cpu" else ""))
 
