@@ -74,7 +74,8 @@ def preflight(model, device: torch.device, vision: str = "frozen", placement: st
         free = free_bytes(ssd.paths)
         if free < need.ssd_total:
             raise PreflightError(f"{text}: not enough free disk for the state tier: it needs "
-                                 f"{fmt_bytes(need.ssd_total)} but {fmt_bytes(free)} is free in {', '.join(ssd.paths)}. Free "
+                                 f"{fmt_bytes(need.ssd_total)} but {fmt_bytes(free)} is free in "
+                                 f"{', '.join(ssd.paths)}. Free "
                                  f"{fmt_bytes(need.ssd_total - free)}, add drives to nvme_paths, or use more host RAM "
                                  "(nvme_placement: moments keeps the masters in RAM).")
     return text
