@@ -235,3 +235,27 @@ def test_the_state_tier_reads_and_writes_on_an_ssd_stream(config_json, capsys, m
     (write,) = [s for s in steps if s["op"] == "tier_write"]
     assert read["bytes"] == write["bytes"] == tiered and report["step_seconds"] >= read["end_s"] <= write["start_s"]
     assert main(args[:-2] + ["--show", "schedule"]) == 0 and "ssd" not in capsys.readouterr().out
+
+
+def test_capture_returns_the_graphs_outputs_without_running_the_layers(monkeypatch):
+    """inspect/plan never run the captured graph: its layer-kind calls would each re-trace their
+    subgraph (torch's invoke_subgraph schema), 7 s at 80 layers. The outputs are meta tensors of
+    the traced shapes."""
+    import torch
+
+    import megacompile.inspect as inspect
+    real, graphs = inspect.megatrain_backend, []
+
+    def backend(gm, example_inputs, **kw):
+        result = real(gm, example_inputs, **kw)
+        graphs.append(gm)
+        gm.forward = lambda *a, **k: pytest.fail("the captured graph ran")
+        return result
+    monkeypatch.setattr(inspect, "megatrain_backend", backend)
+    model = inspect.build_model_from_config(tiny_config("llama", layers=3), None, torch.float32)
+    program = inspect.capture_program(model, batch=2, seq=16, slots=2)
+    assert graphs and program.layer_regions.kinds   # (the graph had layer-kind calls)
+    out = next(n for n in graphs[0].graph.nodes if n.op == "output")
+    vals = [a.meta["example_value"] for a in out.args[0] if isinstance(a, torch.fx.Node)]
+    got = [t for t in inspect.meta_outputs(graphs[0]) if isinstance(t, torch.Tensor)]
+    assert [(t.shape, t.dtype, t.device.type) for t in got] == [(v.shape, v.dtype, "meta") for v in vals]
