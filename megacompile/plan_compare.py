@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from .errors import CannotFitError
 from .hardware import BUILTIN, Hardware
 from .passes.schedule import choose_lookahead
-from .plan import Capture, Plan, capture_prefix, fmt_bytes, body_costs, plan_model
+from .plan import Plan, fmt_bytes, plan_model
+from .plan_capture import Capture, body_costs, capture_prefix
 from .simulate import SegmentCost
 
 #: the host RAM sizes compared (as --host-ram spells them: decimal units)

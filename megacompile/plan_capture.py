@@ -1,0 +1,171 @@
+"""What `megatrain plan` compiles and how it reaches the full depth: a prefix of layers holding
+every layer kind (`layer_kinds`), captured through the real Dynamo capture, AOTAutograd partition
+and passes (`capture_prefix`, as `megatrain inspect` does), and extrapolated to any batch size
+and to every layer (`PrefixModel`). plan.py turns that into host/device bytes and a speed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cost_model import body_seconds
+from .hardware import Hardware
+from .ir import Step, segment_calls
+from .passes.memory_plan import value_bytes
+from .simulate import SegmentCost
+
+
+def layer_kinds(model: torch.nn.Module, config) -> tuple[str, list[int]]:
+    """(layer stack prefix, kind id of every layer); identical parameters + layer type = same kind."""
+    from .capture import find_layer_stack
+    prefix, stack = find_layer_stack(model)
+    types = getattr(config, "layer_types", None) or [None] * len(stack)
+    sigs: dict[tuple, int] = {}
+    kinds = []
+    for i, layer in enumerate(stack):
+        sig = (types[i] if i < len(types) else None,
+               tuple((name, tuple(p.shape), p.dtype) for name, p in layer.named_parameters()))
+        kinds.append(sigs.setdefault(sig, len(sigs)))
+    return prefix, kinds
+
+
+# -- captured costs ---------------------------------------------------------------------------
+
+@dataclass
+class DirectionCosts:
+    """One direction of a captured prefix: segments in execution order with their costs."""
+    infos: list                 # SegmentInfo per segment (schedule.py)
+    seconds: list[float]        # estimated body time per segment (cost_model.body_seconds)
+    layer: list[int | None]     # decoder layer index of each segment (None: prologue/embed/head)
+    saved: list[int]            # bytes of forward outputs (saved for the backward) per segment
+    peak: int                   # memory plan peak of the captured prefix
+    host_checkpoints: int = 0   # layer checkpoints the prefix keeps on the host (offload_checkpoints)
+    bodies: list = field(default_factory=list)   # each segment's body graph (its seconds on another profile)
+    lookahead: int = 0          # the prefetch lookahead the capture's schedule chose on its profile
+
+
+@dataclass
+class Capture:
+    batch: int
+    directions: dict[str, DirectionCosts]
+
+
+def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
+    from .inspect import build_model_from_config, capture_program
+    from .log import quiet
+    model = build_model_from_config(config, layers, dtype)
+    with quiet("compile"):   # (a plan's captures are not the run's compile: `megatrain train` says it plans)
+        program = capture_program(model, batch, seq, slots, hw, options)
+    num_layers = program.capture.num_layers
+    out = {}
+    for direction, done in program.compiled.items():
+        top = done.graph
+        segs = done.schedule.segments
+        produced = {}
+        for k, n in enumerate(segment_calls(top)):
+            for name in n.meta["mt_segment"]["outputs"]:
+                produced[name] = k
+        saved = [0] * len(segs)
+        if direction == "forward":   # (as the program returns them: offloaded checkpoints are host values)
+            result = next(n for n in done.schedule.program.graph.nodes if n.op == "output")
+            for a in result.all_input_nodes:
+                if a.name in produced:
+                    saved[produced[a.name]] += value_bytes(a.meta.get("val"))
+        layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
+        bodies = [done.bodies[name] for name in done.body_of]
+        out[direction] = DirectionCosts(segs, body_costs(bodies, hw), layer, saved,
+                                        done.plan.peak_bytes if done.plan else 0,
+                                        done.plan.host_checkpoint_bytes if done.plan else 0,
+                                        bodies, done.schedule.lookahead)
+    return Capture(batch, out)
+
+
+def body_costs(bodies: list, hw: Hardware) -> list[float]:
+    """Each segment's body seconds on `hw`, a body shared by several segments costed once."""
+    seconds: dict[int, float] = {}
+    for body in bodies:
+        if id(body) not in seconds:
+            seconds[id(body)] = body_seconds(body, hw)
+    return [seconds[id(body)] for body in bodies]
+
+
+# -- the plan -------------------------------------------------------------------------------
+
+class PrefixModel:
+    """The captured prefix at two batch sizes, extrapolated to any batch and the full depth."""
+
+    def __init__(self, full_kinds: list[int], prefix_len: int, a: Capture, b: Capture, hw: Hardware):
+        self.kinds, self.k, self.a, self.b, self.hw = full_kinds, prefix_len, a, b, hw
+        self.checked: dict[int, int] = {}   # batch -> peak from a capture at that batch
+        rep = {}
+        for i in range(prefix_len):
+            rep.setdefault(full_kinds[i], i)
+        self.rep = [i if i < prefix_len else rep[full_kinds[i]] for i in range(len(full_kinds))]
+
+    def _lerp(self, x: float, y: float, batch: int) -> float:
+        return x + (y - x) * (batch - self.a.batch) / (self.b.batch - self.a.batch)
+
+    def expand(self, direction: str, batch: int) -> tuple[list, list[SegmentCost]]:
+        """Full-depth segments (SegmentInfo) and their costs at `batch`, in execution order."""
+        da, db = self.a.directions[direction], self.b.directions[direction]
+        seconds = [max(0.0, self._lerp(ta, tb, batch)) for ta, tb in zip(da.seconds, db.seconds)]
+        by_layer: dict[int, list[int]] = {}
+        for j, layer in enumerate(da.layer):
+            if layer is not None:
+                by_layer.setdefault(layer, []).append(j)
+        first = next(j for j, layer in enumerate(da.layer) if layer is not None)
+        last = max(j for j, layer in enumerate(da.layer) if layer is not None)
+        order = range(len(self.kinds)) if da.layer[first] <= da.layer[last] else reversed(range(len(self.kinds)))
+        index = list(range(first)) + [j for i in order for j in by_layer[self.rep[i]]] \
+            + list(range(last + 1, len(da.infos)))
+        infos = [da.infos[j] for j in index]
+        costs = [SegmentCost(da.infos[j].name, da.infos[j].weight_nbytes, sum(da.infos[j].grad_nbytes.values()),
+                             seconds[j]) for j in index]
+        return infos, costs
+
+    def extra_saved(self, batch: int) -> float:
+        """Saved-for-backward bytes of the layers the captured prefix left out."""
+        def per_layer(c: Capture) -> dict[int, int]:
+            d = c.directions["forward"]
+            out: dict[int, int] = {}
+            for layer, s in zip(d.layer, d.saved):
+                if layer is not None:
+                    out[layer] = out.get(layer, 0) + s
+            return out
+        sa, sb = per_layer(self.a), per_layer(self.b)
+        return sum(self._lerp(sa[self.rep[i]], sb[self.rep[i]], batch) for i in range(self.k, len(self.kinds)))
+
+    def host_checkpoints(self, batch: int) -> int:
+        """Host bytes of the full model's offloaded layer checkpoints at `batch` (one per layer
+        but the last, plus the embedding's output: as many as layers, as in the prefix)."""
+        ha, hb = (c.directions["forward"].host_checkpoints for c in (self.a, self.b))
+        return int(max(0.0, self._lerp(ha, hb, batch)) * len(self.kinds) / self.k)
+
+    def with_checkpoints(self, direction: str, steps: list, infos: list, batch: int) -> list:
+        """`steps` with the checkpoint moves the offload_checkpoints pass writes: each layer's
+        checkpoint (the embedding's or the previous layer's output) offloaded after the run
+        that makes it, and reloaded before the segment ahead of that layer's backward."""
+        per_layer = self.host_checkpoints(batch) // max(1, len(self.kinds))
+        if not per_layer:
+            return steps
+        layers = len(self.kinds)
+        if direction == "forward":
+            moved = {k for k, s in enumerate(infos) if 0 <= s.group <= layers - 1}
+        else:
+            moved = {k for k, s in enumerate(infos) if 1 <= s.group <= layers}
+        out = []
+        for step in steps:
+            if direction == "backward" and step.op == "run" and step.segment + 1 in moved:
+                out.append(Step("reload", "h2d", step.segment + 1, per_layer))
+            out.append(step)
+            if direction == "forward" and step.op == "run" and step.segment in moved:
+                out.append(Step("offload", "d2h", step.segment, per_layer))
+        return out
+
+    def device_peak(self, batch: int) -> int:
+        if batch in self.checked:   # captured at this batch (see plan_model)
+            return self.checked[batch]
+        peak_a = max(d.peak for d in self.a.directions.values())
+        peak_b = max(d.peak for d in self.b.directions.values())
+        return int(self._lerp(peak_a, peak_b, batch) + self.extra_saved(batch))
