@@ -23,6 +23,7 @@ from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 from ..errors import InternalError
 from ..ir import LAYER_SENTINEL, WEIGHT_GROUP, lazy_graph_module
 from . import PassContext, graph_pass
+from .layer_regions import call_group
 from .layer_subgraphs import layer_fqn
 
 _STACK_KEYS = ("nn_module_stack", "fwd_nn_module_stack")
@@ -36,11 +37,11 @@ def _own_stack(stack: dict | None, layer: str) -> dict | None:
 
 
 def _layer_of(call: fx.Node, module_groups: dict[str, int]) -> str:
-    groups = {a.meta[WEIGHT_GROUP] for a in call.args[2:] if isinstance(a, fx.Node) and WEIGHT_GROUP in a.meta}
-    layer = layer_fqn(module_groups, groups.pop()) if len(groups) == 1 else None
+    group = call_group(call)
+    layer = layer_fqn(module_groups, group) if group is not None else None
     if layer is None:
-        raise InternalError(f"layer subgraph call {call.name} reads the weights of groups {sorted(groups)}, not one "
-                            "layer's")
+        groups = sorted({a.meta[WEIGHT_GROUP] for a in call.all_input_nodes if WEIGHT_GROUP in a.meta})
+        raise InternalError(f"layer subgraph call {call.name} reads the weights of groups {groups}, not one layer's")
     return layer
 
 

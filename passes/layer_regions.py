@@ -63,12 +63,17 @@ def _preferred_rank(node: fx.Node, ctx: PassContext) -> int | None:
     return None if group is None else group_rank(group, ctx)
 
 
+def call_group(call: fx.Node) -> int | None:
+    """The layer (weight group) a layer kind's call (layer_subgraphs.py) belongs to: the one
+    whose weights it reads; None if it reads none or several groups' weights."""
+    groups = {a.meta[WEIGHT_GROUP] for a in call.all_input_nodes if WEIGHT_GROUP in a.meta}
+    return groups.pop() if len(groups) == 1 else None
+
+
 def preferred_group(node: fx.Node, ctx: PassContext) -> int | None:
     if node.target is invoke_subgraph:
-        # a layer kind's call (layer_subgraphs.py) has no module path of its own: it belongs to
-        # the layer whose weights it reads (mark_checkpoints reads the groups of its outputs)
-        groups = {a.meta[WEIGHT_GROUP] for a in node.all_input_nodes if WEIGHT_GROUP in a.meta}
-        return groups.pop() if len(groups) == 1 else None
+        # a call has no module path of its own (mark_checkpoints reads the groups of its outputs)
+        return call_group(node)
     path = module_path(node)
     while path:
         if path in ctx.module_groups:
