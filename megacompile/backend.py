@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 import unittest.mock
@@ -36,10 +37,11 @@ from .options import Options
 from .ir import CHECKPOINTS, GROUP, LAYER_REGIONS, MEMORY_PLAN, Compiled, LayerRegions, compiled
 from .passes import PassContext, run_pipeline
 from .passes.memory_plan import check_budget
-from .errors import MegatrainError
+from .errors import CannotFitError, MegatrainError
 from .passes.inline_layer_regions import inline_layer_regions
 from .passes.pipelines import DIRECTION_PASSES, DYNAMO_PASSES, JOINT_PASSES
 from .passes.recompute_boundaries import recompute_whole_layer
+from .passes.tile_mlp import MAX_BUDGET_TILES, TILE_GAIN
 from .runtime import store
 from .runtime.kernels import ops as _kernels  # noqa: F401  (the kernels of torch.ops.megatrain.*)
 from .runtime.executor import DirectionRunner
@@ -326,6 +328,72 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     if runtime:
         compile_start.late(capture.root, opts.attention)
     program = Program(capture, params, opts, runtime=runtime)
+    compiled = _compile_within_budget(program, gm, example_inputs)
+    _PROGRAMS.setdefault(capture.root, []).append(program)
+    return compiled
+
+
+def _compile_within_budget(program: Program, gm: fx.GraphModule, example_inputs):
+    """Compile the step; under `device_budget` with `mlp_tiles: "auto"`, a step that does not fit
+    is compiled again with twice the sequence tiles (passes/tile_mlp.py), and the fewest tiles
+    that fit are kept (each tile more runs smaller matmuls). The smallest refusal is raised once
+    a doubling lowers the planned peak by less than 2% (the peak is then elsewhere: attention,
+    boundary hidden states, weights), or no tokens are left to tile.
+    """
+    opts = program.options
+    if opts.device_budget is None or opts.mlp_tiles != "auto":
+        return _compile_graph(program, gm, example_inputs)
+    source = _graph_copy(gm)   # (the passes rewrite the graph they get)
+    try:
+        return _compile_graph(program, gm, example_inputs)
+    except CannotFitError as refused:
+        best, peak, tiles = refused, _planned_peak(program), max(_tiles_used(program), 1)
+    while tiles < MAX_BUDGET_TILES:
+        tiles *= 2
+        program.options = dataclasses.replace(opts, mlp_tiles=tiles)
+        program.compiled.clear()
+        program.runners.clear()
+        try:
+            compiled = _compile_graph(program, _graph_copy(source), example_inputs)
+        except CannotFitError as refused:
+            now = _planned_peak(program)
+            if now < peak:
+                best = refused
+            if now > peak * (1 - TILE_GAIN) or _tiles_used(program) < tiles:   # (or no more tokens to tile)
+                break
+            peak = now
+            continue
+        _log.info("megatrain: the step fits device_budget=%s with its layers in %d sequence tiles "
+                  "(mlp_tiles: auto chose them; planned peak %d bytes)", opts.device_budget, tiles,
+                  _planned_peak(program))
+        return compiled
+    program.options = opts
+    raise best
+
+
+def _planned_peak(program: Program) -> int:
+    return max((c.plan.peak_bytes for c in program.compiled.values() if c.plan is not None), default=0)
+
+
+def _tiles_used(program: Program) -> int:
+    return max((max(r[2], default=1) for r in program.pass_records.get("dynamo", [])
+                if r[:2] == ("tile_mlp", "tiled")), default=1)
+
+
+def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of a Dynamo graph module whose nodes the passes can rewrite (node metas copied
+    shallowly: their fake values are shared, not re-made)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
+def _compile_graph(program: Program, gm: fx.GraphModule, example_inputs):
+    """The Dynamo passes, then AOTAutograd with the program's partition and direction compilers
+    (per layer kind where the regions form; else, and where torch cannot trace a layer subgraph,
+    over the whole graph)."""
     trace_inputs = example_inputs
     # fused_kernels is a no-op unless the kernels resolve to Triton, fused_lm_loss unless
     # logits="drop", retarget_device when the device is the CPU. Off the CPU, forward/backward are
@@ -337,8 +405,9 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     program.pass_records["dynamo"] = ctx.records
     program.layer_regions = gm.meta.get(LAYER_REGIONS)
     _log_regions(program.layer_regions)
-    if opts.torch_device.type != "cpu":
-        trace_inputs = fake_inputs_on(gm, example_inputs, opts.torch_device)
+    device = program.options.torch_device
+    if device.type != "cpu":
+        trace_inputs = fake_inputs_on(gm, example_inputs, device)
     try:
         compiled = _differentiate(program, gm, trace_inputs)
     except MegatrainError:
@@ -354,7 +423,6 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         program.compiled.clear()
         program.runners.clear()
         compiled = _differentiate(program, gm, trace_inputs)
-    _PROGRAMS.setdefault(capture.root, []).append(program)
     return compiled
 
 

@@ -48,6 +48,7 @@ from .passes.schedule import build_steps, choose_lookahead
 from .simulate import busy_seconds, makespan, optimizer_bytes, simulate
 from .tier_plan import (PLACEMENTS, TIER_POOL_BYTES, TIER_READ_AHEAD, min_numel, nvme_lines, nvme_summary,
                         ssd_capacity, ssd_seconds)
+from .passes.tile_mlp import MAX_BUDGET_TILES, TILE_GAIN
 from .plan_capture import Capture, PrefixModel, capture_prefix, layer_kinds
 from .vlm import store_parameters
 
@@ -347,6 +348,22 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         if moved.device_peak(1) < m.device_peak(1):
             m, options, checkpoints_on_host = moved, offloading, True
 
+    # more sequence tiles while batch 1 does not fit (what the backend's search under
+    # device_budget does with mlp_tiles "auto"): the fewest that fit, stopping once a doubling
+    # lowers the peak by less than TILE_GAIN
+    if options.get("mlp_tiles", "auto") == "auto" and m.device_peak(1) > capacity:
+        tiles = max(1, _mlp_tiles(config, options, seq))
+        while m.device_peak(1) > capacity and tiles < min(MAX_BUDGET_TILES, seq):
+            tiles *= 2
+            tiled = {**options, "mlp_tiles": tiles}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                caps = [capture(b, tiled, f", its layers in {tiles} sequence tiles") for b in (2, 4)]
+            more = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
+            if more.device_peak(1) > m.device_peak(1) * (1 - TILE_GAIN):
+                break
+            m, options = more, tiled
+
     lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
         infos, costs = m.expand(direction, 1)
@@ -533,7 +550,7 @@ def to_text(plan: Plan) -> str:
              *([f"  layer checkpoints       {fmt_bytes(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "
                 "per step at the best batch, beside the total (offload_checkpoints: they wait in pinned host "
                 "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
-             *([f"long sequence: each MLP runs in {plan.mlp_tiles} sequence tiles (mlp_tiles)"]
+             *([f"long sequence: each layer's MLP, norms, output projection and residuals run in {plan.mlp_tiles} sequence tiles (mlp_tiles)"]
                if plan.mlp_tiles > 1 else []),
              *(["", *nvme_lines(plan, fmt_bytes)] if plan.ssd else []),
              "",

@@ -6,7 +6,7 @@ weight group). The nodes of layer g are cut out into a GraphModule; layers whose
 are equal (same code after renaming, same input shapes, dtypes and strides) share one, and each
 layer calls it through torch's `invoke_subgraph` higher-order op:
 
-    h1 = layer_0(h0, cos, sin, w_q0, ...)          r = invoke_subgraph(mt_layer_kind_0, "mt_kind_0",
+    h1 = layer_0(h0, cos, sin, w_q0, ...)          r = invoke_subgraph(mt_layer_kind_0, "mt_kind_0_<hash>",
     h2 = layer_1(h1, cos, sin, w_q1, ...)   ==>                         h0, cos, sin, w_q0, ...)
                                                    h1 = r[0]; r2 = invoke_subgraph(mt_layer_kind_0, ...)
 
@@ -208,7 +208,11 @@ def layer_subgraphs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         with gm.graph.inserting_after(nodes[-1]):
             attr = gm.graph.get_attr(attr_name)
         with gm.graph.inserting_after(attr):
-            call = gm.graph.call_function(invoke_subgraph, (attr, attr_name.replace("layer_kind", "kind"), *inputs))
+            # torch caches a traced subgraph by this identifier for the whole Dynamo compile, so
+            # it names the content: a recompile of the graph with other passes' choices (more
+            # sequence tiles under a device budget) must not find the first trace
+            identifier = f"{attr_name.replace('layer_kind', 'kind')}_{key[:12]}"
+            call = gm.graph.call_function(invoke_subgraph, (attr, identifier, *inputs))
         call.meta[GROUP] = group
         at = call
         inside = set(nodes)

@@ -16,6 +16,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
 from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, host_values,
@@ -37,6 +38,31 @@ def _tensor_bytes(v: torch.Tensor) -> int:
 def value_bytes(val) -> int:
     vals = val if isinstance(val, (list, tuple)) else [val]
     return sum(_tensor_bytes(v) for v in vals if isinstance(v, torch.Tensor))
+
+
+def storage_key(val):
+    """What a value's bytes belong to: views of one tensor (a sequence split's tiles, saved for
+    the backward each on its own) share one storage, held once by the allocator; None for
+    anything without one."""
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(val.untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def distinct_bytes(vals) -> int:
+    """Bytes of `vals` (fake values) with each storage counted once."""
+    seen, total = set(), 0
+    for v in vals:
+        key = storage_key(v)
+        if key is None:
+            total += value_bytes(v)
+        elif key not in seen:
+            seen.add(key)
+            total += value_bytes(v)
+    return total
 
 
 def _workspace(n: fx.Node, triton: bool) -> int:
@@ -109,13 +135,21 @@ class _Account:
         self.transient, self.frees = transient, frees
         host = host_values(program)   # (offloaded checkpoints: host bytes, not device bytes)
         self.sizes = {n.name: 0 if n.name in host else value_bytes(n.meta.get("val")) for n in program.graph.nodes}
+        # views of one storage (the tiles of a split, saved one by one) hold its bytes once
+        self.storage = {n.name: storage_key(n.meta.get("val")) for n in program.graph.nodes}
         self.live = {n.name for n in program.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
         self.host_bytes = sum(value_bytes(n.meta.get("val")) for n in program.graph.nodes if n.name in host)
         self.resident = self.peak_weights = 0
         self.per_step: list[int] = []
 
     def bytes(self) -> int:
-        return sum(self.sizes[v] for v in self.live) + self.resident
+        seen, total = set(), self.resident
+        for v in self.live:
+            key = self.storage[v]
+            if key is None or key not in seen:
+                seen.add(key)
+                total += self.sizes[v]
+        return total
 
     def free(self, i: int, n: fx.Node = None) -> None:
         self.live.difference_update(self.frees.get(i, ()))

@@ -4,6 +4,8 @@ one tile at a time in the forward and the backward."""
 from __future__ import annotations
 
 import copy
+import operator
+import re
 
 import pytest
 import torch
@@ -91,3 +93,73 @@ def test_mlp_tiles_option_is_checked():
             Options.from_mapping({"mlp_tiles": bad})
     assert Options.from_mapping({"mlp_tiles": 4}).mlp_tiles == 4
     megacompile.Options()   # (the default: "auto")
+
+
+def test_tiles_cover_the_token_wise_tail_of_each_layer():
+    """The tiled region grows from the MLP over its layer's token-wise ops: the output projection,
+    both residual adds and the norm before the MLP run per tile; the attention itself does not."""
+    from megacompile.passes.tile_mlp import mlp_regions
+    base = tiny_family_model("llama")
+    regions = []
+
+    def look(gm, _inputs):
+        regions.extend(mlp_regions(gm))
+        return gm.forward
+
+    ids, mask, labels = batch(2, 16)
+    torch._dynamo.reset()
+    torch.compile(base, backend=look)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    assert len(regions) == 2
+    for members, inputs, output in regions:
+        paths = {p for n in members for p, _ in (n.meta.get("nn_module_stack") or {}).values()}
+        assert any(p.endswith("self_attn.o_proj") for p in paths) and any(p.endswith("post_attention_layernorm")
+                                                                          for p in paths)
+        assert not any(p.endswith(("q_proj", "input_layernorm")) for p in paths)
+        assert len(inputs) == 2   # (the attention's output and the layer's input)
+        assert output.target is operator.add   # (the second residual add: the layer's output)
+
+
+def test_tile_gradients_are_gathered_by_one_cat():
+    """The tiles come from one split, whose backward is one cat of their gradients: no full-size
+    slice_backward per tile summed into the input's gradient (three [tokens, hidden] values at once)."""
+    base = tiny_family_model("llama")
+    ids, mask, labels = batch(2, 16, seed=0)
+    *_, program = _run(copy.deepcopy(base), 4, ids, mask, labels)
+    code = "\n".join(b.code for b in program.compiled["backward"].bodies.values())
+    assert "split_with_sizes" in "\n".join(b.code for b in program.compiled["forward"].bodies.values())
+    # (rotary's rotate_half still slices the last dimension of [b, heads, s, d])
+    assert not re.search(r"slice_backward\.default\(\w+, \[\d+, \d+, \d+\], 1,", code) and "cat" in code
+
+
+def _long_step(base, ids, options):
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "logits": "drop", **options})
+    loss = cmodel(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    program = programs_of(model)[-1]
+    tiles = next(r[2] for r in program.pass_records["dynamo"] if r[:2] == ("tile_mlp", "tiled"))
+    return loss, [p.grad for p in model.parameters()], tiles, program.last_stats["peak_device_bytes"]
+
+
+def test_a_device_budget_chooses_the_tiles():
+    """mlp_tiles "auto" under a device_budget the untiled step does not fit: the backend compiles
+    again with 2, 4, ... tiles and keeps the fewest that fit; the step's measured peak is within
+    the budget and it trains as the untiled one does (fp32, 1e-5)."""
+    base = tiny_family_model("llama", hidden_size=64, intermediate_size=512, max_position_embeddings=4096)
+    ids = batch(1, 1024, seed=1)[0]
+    loss, grads, tiles, peak = _long_step(base, ids, {})
+    assert tiles == []   # (auto: none below 32K tokens)
+    *_, peak8 = _long_step(base, ids, {"mlp_tiles": 8})
+    budget = (peak + peak8) // 2
+    tiled_loss, tiled_grads, chosen, tiled_peak = _long_step(base, ids, {"device_budget": budget})
+    assert chosen and chosen[0] > 1 and tiled_peak <= budget, (chosen, tiled_peak, budget, peak, peak8)
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-5, atol=1e-6)
+    for a, b in zip(tiled_grads, grads):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+    # a budget no tile count meets is refused with the smallest peak the search reached (a tiled one)
+    with pytest.raises(Exception, match="CannotFitError: cannot fit a training step") as refused:
+        _long_step(base, ids, {"device_budget": peak8 // 3})
+    smallest = int(re.search(r"smallest budget that fits this schedule is (\d+) bytes", str(refused.value))[1])
+    assert smallest < peak
