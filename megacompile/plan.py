@@ -550,7 +550,8 @@ def to_text(plan: Plan) -> str:
              *([f"  layer checkpoints       {fmt_bytes(plan.best.host_checkpoint_bytes if plan.best else 0):>12}   "
                 "per step at the best batch, beside the total (offload_checkpoints: they wait in pinned host "
                 "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
-             *([f"long sequence: each layer's MLP, norms, output projection and residuals run in {plan.mlp_tiles} sequence tiles (mlp_tiles)"]
+             *([f"long sequence: each layer's MLP, norms, output projection and residuals run in {plan.mlp_tiles} "
+                "sequence tiles (mlp_tiles)"]
                if plan.mlp_tiles > 1 else []),
              *(["", *nvme_lines(plan, fmt_bytes)] if plan.ssd else []),
              "",
