@@ -4,6 +4,7 @@ the measured peak and step of a small model at several lengths.
     python benchmarks/long_context.py                                   # both parts, defaults below
     python benchmarks/long_context.py --models llama-3-8b --gpus h200 --cpu-seqs 0
     python benchmarks/long_context.py --models none --cpu-seqs 4096 16384 32768
+    python benchmarks/long_context.py --models none --cpu-seqs 16384 32768 65536 --cpu-budget 96
 
 Plan part, for each model x GPU profile (batch 1, --host-ram of host memory): the sequence is
 doubled from --start until `megatrain plan` no longer fits it; printed are the longest that
@@ -14,7 +15,8 @@ head_dim per sequence (forward QK^T and AV, halved for causality, times 3 for th
 
 CPU part, for each --cpu-seqs length: a small Llama (batch 1) trained by megatrain on the CPU
 ("device" = host; its layer checkpoints kept on the host as a GPU run past its memory would:
-offload_checkpoints="always", MLP tiles "auto") and by eager PyTorch with per-layer
+offload_checkpoints="always", MLP tiles "auto"; with --cpu-budget, under that device_budget
+instead: megatrain chooses the offload and the sequence tiles, printed) and by eager PyTorch with per-layer
 checkpointing: median step seconds over --steps after a warm-up, and the peak of the bytes the
 step's ops allocate (a dispatch mode, as tests/device_bytes.py counts it: for megatrain what its
 executor allocates, streamed weights included, its host checkpoint copies left out; for eager
@@ -91,14 +93,18 @@ def longest(model: str, gpu: str, start: int, limit: int, host_ram: int) -> dict
     return last or {"seq": 0}
 
 
-def cpu_step(seq: int, steps: int, layers: int, hidden: int, compiled: bool) -> tuple[float, int]:
-    """(median step seconds, peak bytes) of one configuration at `seq` tokens."""
+def cpu_step(seq: int, steps: int, layers: int, hidden: int, compiled: bool,
+             budget: int | None = None) -> tuple[float, int, int]:
+    """(median step seconds, peak bytes, sequence tiles) of one configuration at `seq` tokens;
+    `budget`: megatrain's device_budget in bytes (it then chooses the tiles and the checkpoint
+    offload itself)."""
     from conftest import tiny_model
     model = tiny_model("llama", layers=layers, hidden=hidden, max_position_embeddings=seq)
     ids = torch.randint(0, 100, (1, seq))
     if compiled:
         megacompile.reset()
-        run = torch.compile(model, backend="megatrain", options={"device": "cpu", "offload_checkpoints": "always"})
+        fixed = {"device_budget": budget} if budget else {"offload_checkpoints": "always"}
+        run = torch.compile(model, backend="megatrain", options={"device": "cpu", **fixed})
     else:
         checkpoint_every_layer(model)
         run = model
@@ -123,7 +129,11 @@ def cpu_step(seq: int, steps: int, layers: int, hidden: int, compiled: bool) -> 
     copies.clear()
     peak = measured.peak(exclude=host_grads(measured, model) | host)
     model.zero_grad(set_to_none=True)
-    return statistics.median(times), peak
+    tiles = 1
+    if compiled:
+        records = programs_of(model)[-1].pass_records["dynamo"]
+        tiles = max(next((r[2] for r in records if r[:2] == ("tile_mlp", "tiled")), None) or [1])
+    return statistics.median(times), peak, tiles
 
 
 def main() -> None:
@@ -139,6 +149,9 @@ def main() -> None:
     ap.add_argument("--cpu-layers", type=int, default=2)
     ap.add_argument("--cpu-hidden", type=int, default=64)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--cpu-budget", type=float, default=None,
+                    help="megatrain's device_budget in MiB for the CPU part (it chooses tiles and offload); "
+                         "default: none, layer checkpoints on the host and tiles auto")
     args = ap.parse_args()
     models = [m for m in args.models if m != "none"]
     if models:
@@ -157,14 +170,23 @@ def main() -> None:
                   f"{r['mfu']:>6.1%}")
     seqs = [s for s in args.cpu_seqs if s > 0]
     if seqs:
+        budget = int(args.cpu_budget * 2**20) if args.cpu_budget else None
         print(f"\nCPU, small Llama ({args.cpu_layers} layers, hidden {args.cpu_hidden}), batch 1, "
-              f"median of {args.steps} steps; torch {torch.__version__}")
-        print(f"{'seq':>7} {'megatrain s':>12} {'peak MiB':>9} {'eager+ckpt s':>13} {'peak MiB':>9} {'peak ratio':>10}")
+              f"median of {args.steps} steps; torch {torch.__version__}; megatrain "
+              + (f"under device_budget {args.cpu_budget:g} MiB" if budget else "with its checkpoints on the host"))
+        print(f"{'seq':>7} {'megatrain s':>12} {'peak MiB':>9} {'tiles':>6} {'eager+ckpt s':>13} {'peak MiB':>9} "
+              f"{'peak ratio':>10}")
         for seq in seqs:
-            ours = cpu_step(seq, args.steps, args.cpu_layers, args.cpu_hidden, compiled=True)
+            try:
+                ours = cpu_step(seq, args.steps, args.cpu_layers, args.cpu_hidden, compiled=True, budget=budget)
+            except Exception as e:   # (a budget too small for this length: say so, go on)
+                if "CannotFitError" not in str(e):
+                    raise
+                print(f"{seq:>7} {'does not fit the budget':>29}", flush=True)
+                continue
             eager = cpu_step(seq, args.steps, args.cpu_layers, args.cpu_hidden, compiled=False)
-            print(f"{seq:>7} {ours[0]:>12.2f} {ours[1] / 2**20:>9.1f} {eager[0]:>13.2f} {eager[1] / 2**20:>9.1f} "
-                  f"{ours[1] / max(eager[1], 1):>10.2f}", flush=True)
+            print(f"{seq:>7} {ours[0]:>12.2f} {ours[1] / 2**20:>9.1f} {ours[2]:>6} {eager[0]:>13.2f} "
+                  f"{eager[1] / 2**20:>9.1f} {ours[1] / max(eager[1], 1):>10.2f}", flush=True)
 
 
 if __name__ == "__main__":

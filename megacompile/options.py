@@ -231,10 +231,13 @@ class Options:
     #: models it cannot run (logit softcapping, attention sinks) keep their own attention.
     #: "transformers": keep the implementation the model was loaded with.
     attention: str = "segments"
-    #: Sequence tiles of each layer's MLP (passes/tile_mlp.py): its [tokens, intermediate] values
-    #: then exist one tile at a time, in the forward and the backward. An int (1: none), or "auto":
-    #: none below a sequence of 32K tokens, else about intermediate/hidden tiles (more while a
-    #: tile spans over 64K tokens).
+    #: Sequence tiles of each layer's token-wise tail (passes/tile_mlp.py): the output projection,
+    #: the residual adds, the norm before the MLP and the MLP run tile by tile, so their
+    #: [tokens, intermediate] and [tokens, hidden] values exist one tile at a time, in the forward
+    #: and the backward. An int (1: none), or "auto": none below a sequence of 32K tokens, else
+    #: about intermediate/hidden tiles (more while a tile spans over 64K tokens); with
+    #: `device_budget`, a step that does not fit is compiled again with 2x, 4x, ... the tiles and
+    #: the fewest that fit are kept.
     mlp_tiles: Any = "auto"
     #: Layer checkpoints (the hidden states each layer's backward recomputes from) kept in host
     #: memory between the forward and the backward (passes/offload_checkpoints.py): each leaves

@@ -79,22 +79,45 @@ def _workspace(n: fx.Node, triton: bool) -> int:
 
 def body_transient_bytes(body: fx.GraphModule, triton: bool = False) -> int:
     """Peak bytes of a body's intermediates (and fused ops' workspaces, with `triton` as on a
-    GPU); views and getitems alias their producer."""
-    def size(n: fx.Node) -> int:
-        if n.target is operator.getitem or n.target in _ALIASING or getattr(n.target, "is_view", False):
-            return 0
-        return value_bytes(n.meta.get("val"))
+    GPU). A view adds no bytes and keeps its base's alive until its own last reader; an op with
+    several outputs allocates them together, and each dies with the last reader of its getitem.
+
+        mm_4 = mm(x, w); v = _unsafe_view(mm_4, [1, s, i]); y = silu(v)
+        (mm_4's bytes live until silu reads v, not until the view is made)
+        dq, dk, dv = segment_attention_backward(...)      (three values, each freed on its own)
+    """
+    def view(n: fx.Node) -> bool:
+        return n.target in _ALIASING or getattr(n.target, "is_view", False)
 
     nodes = list(body.graph.nodes)
-    last = {a: i for i, n in enumerate(nodes) for a in n.all_input_nodes}
+    root: dict[fx.Node, fx.Node] = {}    # a view (or an element of a view op's list) -> what owns its bytes
+    for n in nodes:
+        if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
+            continue
+        if view(n) or (n.target is operator.getitem and n.args[0] in root):
+            root[n] = root.get(n.args[0], n.args[0])
+    last = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[root.get(a, a)] = i
     live, peak, sizes = 0, 0, {}
     for i, n in enumerate(nodes):
-        if n.op in ("call_function", "call_method", "call_module"):
-            sizes[n] = size(n)
-            live += sizes[n]
+        if n.op in ("call_function", "call_method", "call_module") and n not in root \
+                and n.target is not operator.getitem:
+            val = n.meta.get("val")
+            live += value_bytes(val)
             peak = max(peak, live + _workspace(n, triton))
-        for a in n.all_input_nodes:
-            if last.get(a) == i and a in sizes:
+            if isinstance(val, (list, tuple)):   # (each output is owned by its getitem; unread ones die now)
+                taken = {g.args[1]: g for g in n.users if g.target is operator.getitem}
+                for k, v in enumerate(val):
+                    if k in taken:
+                        sizes[taken[k]] = value_bytes(v)
+                    else:
+                        live -= value_bytes(v)
+            else:
+                sizes[n] = value_bytes(val)
+        for a in {root.get(a, a) for a in n.all_input_nodes} | ({n} if n in sizes else set()):
+            if last.get(a, i) <= i and a in sizes:
                 live -= sizes.pop(a)
     return peak
 

@@ -1,17 +1,21 @@
-"""Tile each layer's MLP over the sequence, so its [tokens, intermediate] values exist one tile
-at a time, in the forward and in the backward's recompute.
+"""Tile each layer's token-wise tail over the sequence (its MLP and what surrounds it), so its
+[tokens, intermediate] and [tokens, hidden] values exist one tile at a time, in the forward and
+in the backward's recompute.
 
 Runs on the Dynamo graph (torch-level ops, before AOTAutograd). A gated MLP module of any
 family (`down(act(gate(x)) * up(x))`, Phi-3's fused `gate_up`, biases, GELU or SiLU, the fused
 `swiglu` op) is, for a long sequence, the largest set of values a layer holds: three
 [tokens, intermediate] tensors (3.5x the hidden size for Llama-3-8B: 84 GiB at 1M tokens). Every
-op of it is token-wise, so it can run on slices of the sequence:
+op of it is token-wise, so it can run on slices of the sequence. The region then grows over the
+token-wise ops of its decoder layer around it (`_grow`): the residual add after it, the norm
+before it (torch ops or the fused `rms_norm`), the residual add before that and the attention's
+output projection; Gemma's extra norms too. It stops at the attention, which reads every token:
 
-    y = mlp(x)                                    x: [b, s, h]
+    h1 = h0 + o_proj(attn); y = h1 + mlp(norm(h1))          attn, h0: [b, s, *]
  ->
-    x0, x1, .., xT-1 = split(x, [(s + T-1) // T, (s + T-2) // T, .., s // T], dim=1)
-    y0 = mlp(x0); y1 = mlp(x1); ...               (the module's ops copied per tile, in order)
-    y = cat([y0, .., yT-1], dim=1)
+    a0, .., aT-1 = split(attn, sizes, dim=1); g0, .., gT-1 = split(h0, sizes, dim=1)
+    y0 = tail(a0, g0); y1 = tail(a1, g1); ...    (the region's ops copied per tile, in order)
+    y = cat([y0, .., yT-1], dim=1)               sizes = [(s + T-1) // T, (s + T-2) // T, .., s // T]
 
 The tiles are tensor_split's (the first s mod T one token longer; the sizes sum to s for any s,
 symbolic too), but made by one `split`: its backward is one `cat` of the tiles' gradients.
@@ -22,15 +26,18 @@ tokens of Llama-3-8B).
 The forward then holds one tile's intermediates at a time; AOTAutograd's backward recomputes
 and differentiates tile by tile as well (each tile's ops are their own chain: the partitioner's
 autograd-engine order runs one tile's recompute and backward before the next), with the weight
-gradients summed over tiles. Which modules qualify is checked on the graph, not the name: one
-activation input [b, s, h] besides parameters, one output [b, s, h'], only token-wise ops
-(matmuls against weights, elementwise math, splits of the last dimension).
+gradients summed over tiles. What qualifies is checked on the graph, not by name: one output
+[b, s, h'], only token-wise ops (matmuls against weights, elementwise math, last-dimension
+splits and means), every input a [b, s, *] activation (split), a value computed from
+parameters alone, or one every token reads whole ([h], [1, 1, h]).
 
 Tile count (option `mlp_tiles`): an int, or "auto": none below a sequence of 32K tokens (the
 matmuls stay whole: nothing to save at ordinary lengths), else enough tiles that a tile's
 intermediate value is no larger than the layer's hidden state (ceil(intermediate / hidden)),
-doubled while a tile still spans more than 64K tokens of the sequence. Numerics: each token's values are computed
-as before; the weight gradients are sums over tiles (fp32: within 1e-5 relative).
+doubled while a tile still spans more than 64K tokens of the sequence. Under a device budget
+the backend (and `megatrain plan`) doubles "auto"'s count until the step fits
+(MAX_BUDGET_TILES, TILE_GAIN). Numerics: each token's values are computed as before; the
+weight gradients are sums over tiles (fp32: within 1e-5 relative).
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 An accounting independent of the memory plan's liveness and of the executor's own counters:
 a TorchDispatchMode, active while the executor runs a direction (DirectionRunner.__call__),
 records every storage an op allocates (outputs that are neither views nor one of the op's
-inputs) and drops it when the last tensor on it dies (weakref finalizers). The timeline is kept,
+inputs) and drops it when the last tensor on it dies (weakref finalizers), views included (a
+view, or `_unsafe_view`'s output, keeps its base's storage alive). The timeline is kept,
 so storages that turn out to be host memory (parameters' `.grad`, accumulated on the host) can
 be left out afterwards. The weight pool's CPU free list (a stand-in for a caching allocator's
 reserve: evicted buffers kept for reuse) is turned off, so an evicted slot is freed memory.
@@ -37,13 +38,21 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if getattr(func, "is_view", False):
-            return out
-        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = set() if getattr(func, "is_view", False) else \
+            {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and _key(t) not in inputs:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if _key(t) in self.live:   # a view (or `_unsafe_view`) of a storage counted: one more holder
+                self._hold(t)
+            elif _key(t) not in inputs and not getattr(func, "is_view", False):
                 self._see(t)
         return out
+
+    def _hold(self, t: torch.Tensor) -> None:
+        key = _key(t)
+        self.live[key][2] += 1
+        weakref.finalize(t, self._release, key)
 
     def _see(self, t: torch.Tensor) -> None:
         key = _key(t)

@@ -62,7 +62,7 @@ def test_long_context_benchmark_smoke_run():
               "--cpu-seqs", "128", "--steps", "1", "--cpu-layers", "1", "--cpu-hidden", "32")
     assert "longest sequence that fits" in out and "llama-3-8b" in out, out
     rows = [line.split() for line in out.splitlines() if line.startswith("    128 ")]
-    assert rows and len(rows[0]) == 6, out   # seq, megatrain s and peak, eager s and peak, ratio
+    assert rows and len(rows[0]) == 7, out   # seq, megatrain s, peak and tiles, eager s and peak, ratio
 
 
 @pytest.mark.slow   # (37 s; the tier's exactness is tests/test_state_tier.py's, and the GPU session no longer runs it)

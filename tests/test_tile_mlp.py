@@ -163,3 +163,43 @@ def test_a_device_budget_chooses_the_tiles():
         _long_step(base, ids, {"device_budget": peak8 // 3})
     smallest = int(re.search(r"smallest budget that fits this schedule is (\d+) bytes", str(refused.value))[1])
     assert smallest < peak
+
+
+_BUDGET_MODEL = {}
+
+
+def _budget_model():
+    """A tiny Llama whose MLP dominates a 512-token layer, and its untiled step's planned peak."""
+    if not _BUDGET_MODEL:
+        base = tiny_family_model("llama", hidden_size=64, intermediate_size=512, max_position_embeddings=1024)
+        ids = batch(1, 512, seed=2)[0]
+        *_, peak = _long_step(base, ids, {"overlap_grads": False})
+        _BUDGET_MODEL.update(base=base, ids=ids, peak=peak)
+    return _BUDGET_MODEL["base"], _BUDGET_MODEL["ids"], _BUDGET_MODEL["peak"]
+
+
+@settings(max_examples=3, deadline=None)
+@given(fraction=st.floats(0.6, 1.0))
+def test_under_any_budget_the_plan_bounds_the_measured_peak(fraction):
+    """Whatever budget the tiles are chosen under: the step is refused, or its planned peak is
+    within the budget, at least what its tensors hold (measured by a dispatch mode, independent
+    of the plan) and at most 10% above it."""
+    from device_bytes import host_grads, measure_step
+    base, ids, untiled = _budget_model()
+    torch._dynamo.reset()
+    model = copy.deepcopy(base)
+    options = {"device": "cpu", "logits": "drop", "overlap_grads": False, "device_budget": int(untiled * fraction)}
+    cmodel = torch.compile(model, backend="megatrain", options=options)
+    try:
+        cmodel(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    except Exception as e:
+        assert "CannotFitError" in str(e), e
+        return
+    program = programs_of(model)[-1]
+    planned = max(c.plan.peak_bytes for c in program.compiled.values())
+    model.zero_grad(set_to_none=True)
+    with measure_step(program) as probe:
+        cmodel(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    measured = probe.peak(exclude=host_grads(probe, model))
+    assert planned <= options["device_budget"]
+    assert measured <= planned <= 1.10 * measured, (planned, measured, fraction)
