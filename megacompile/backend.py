@@ -149,6 +149,7 @@ class Program:
             kernels=self.options.kernel_backend,
             logits=self.options.logits,
             mlp_tiles=self.options.mlp_tiles,
+            reload_checkpoints="late" if self.options.reload_checkpoints == "late" else "ahead",
             layer_regions=self.options.layer_regions,
             data_parallel=self.topo.local if self.topo.enabled else self.options.plan_ranks,
             data_parallel_nodes=self.topo.nodes,
@@ -334,41 +335,63 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
 
 
 def _compile_within_budget(program: Program, gm: fx.GraphModule, example_inputs):
-    """Compile the step; under `device_budget` with `mlp_tiles: "auto"`, a step that does not fit
-    is compiled again with twice the sequence tiles (passes/tile_mlp.py), and the fewest tiles
-    that fit are kept (each tile more runs smaller matmuls). The smallest refusal is raised once
-    a doubling lowers the planned peak by less than 2% (the peak is then elsewhere: attention,
-    boundary hidden states, weights), or no tokens are left to tile.
+    """Compile the step; under `device_budget`, a step that does not fit is compiled again with
+    what costs least time first:
+      1. (`mlp_tiles: "auto"`) twice the sequence tiles (passes/tile_mlp.py), again while a
+         doubling lowers the planned peak by TILE_GAIN or more; the fewest tiles that fit are
+         kept (each tile more runs smaller matmuls);
+      2. (`reload_checkpoints: "auto"`, with the checkpoints on the host) at the tiles that went
+         lowest, each checkpoint reloaded just before the backward that reads it, not a segment
+         ahead (passes/offload_checkpoints.py).
+    (Checkpoint offload itself is chosen inside each compile: Program.partition.) The refusal
+    with the lowest planned peak is raised when none fits.
     """
     opts = program.options
-    if opts.device_budget is None or opts.mlp_tiles != "auto":
+    tiles_auto, reload_auto = opts.mlp_tiles == "auto", opts.reload_checkpoints == "auto"
+    if opts.device_budget is None or not (tiles_auto or reload_auto):
         return _compile_graph(program, gm, example_inputs)
     source = _graph_copy(gm)   # (the passes rewrite the graph they get)
+
+    def attempt(**changes):
+        program.options = dataclasses.replace(opts, **changes)
+        program.compiled.clear()
+        program.runners.clear()
+        compiled = _compile_graph(program, _graph_copy(source), example_inputs)
+        _log.info("megatrain: the step fits device_budget=%s with %s (planned peak %d bytes)", opts.device_budget,
+                  ", ".join(f"{k}={v}" for k, v in changes.items()), _planned_peak(program))
+        return compiled
+
     try:
         return _compile_graph(program, gm, example_inputs)
     except CannotFitError as refused:
-        best, peak, tiles = refused, _planned_peak(program), max(_tiles_used(program), 1)
-    while tiles < MAX_BUDGET_TILES:
+        best, peak = refused, _planned_peak(program)
+    best_peak, best_tiles = peak, (tiles := max(_tiles_used(program), 1))
+    offloaded = _offloaded(program)
+    while tiles_auto and tiles < MAX_BUDGET_TILES:
         tiles *= 2
-        program.options = dataclasses.replace(opts, mlp_tiles=tiles)
-        program.compiled.clear()
-        program.runners.clear()
         try:
-            compiled = _compile_graph(program, _graph_copy(source), example_inputs)
+            return attempt(mlp_tiles=tiles)
         except CannotFitError as refused:
             now = _planned_peak(program)
-            if now < peak:
-                best = refused
+            offloaded = _offloaded(program)
+            if now < best_peak:
+                best, best_tiles, best_peak = refused, tiles, now
             if now > peak * (1 - TILE_GAIN) or _tiles_used(program) < tiles:   # (or no more tokens to tile)
                 break
             peak = now
-            continue
-        _log.info("megatrain: the step fits device_budget=%s with its layers in %d sequence tiles "
-                  "(mlp_tiles: auto chose them; planned peak %d bytes)", opts.device_budget, tiles,
-                  _planned_peak(program))
-        return compiled
+    if reload_auto and offloaded:
+        try:
+            return attempt(**({"mlp_tiles": best_tiles} if tiles_auto else {}), reload_checkpoints="late")
+        except CannotFitError as refused:
+            if _planned_peak(program) < best_peak:
+                best = refused
     program.options = opts
     raise best
+
+
+def _offloaded(program: Program) -> bool:
+    """Whether the last compile keeps layer checkpoints on the host."""
+    return any(c.plan is not None and c.plan.host_checkpoint_bytes for c in program.compiled.values())
 
 
 def _planned_peak(program: Program) -> int:

@@ -120,7 +120,7 @@ def _inspect(args) -> int:
                            hardware=load_hardware(args.gpu), dtype=getattr(torch, args.dtype),
                            options={"recompute": args.recompute, "logits": args.logits,
                                     "offload_checkpoints": args.offload_checkpoints, "mlp_tiles": args.mlp_tiles,
-                                    "plan_ranks": args.gpus},
+                                    "reload_checkpoints": args.reload_checkpoints, "plan_ranks": args.gpus},
                            overlap_optimizer=None if args.overlap_optimizer == "false" else args.overlap_optimizer,
                            ssd=load_ssd(args.nvme) if args.nvme else None, placement=args.nvme_placement)
     if args.format == "json":
@@ -275,7 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the offload/reload ops in the schedule; megatrain train chooses it when the step does not "
                         "fit the device otherwise)")
     i.add_argument("--mlp-tiles", default="auto", type=lambda v: v if v == "auto" else positive_int(v),
-                   help="sequence tiles of each MLP: auto (none below 32K tokens) or N")
+                   help="sequence tiles of each layer's MLP, norms, output projection and residuals: auto (none "
+                        "below 32K tokens) or N")
+    i.add_argument("--reload-checkpoints", default="ahead", choices=["ahead", "late"],
+                   help="with --offload-checkpoints always: each checkpoint comes back one segment ahead of its "
+                        "layer's backward (overlapped), or late: just before it (one [seq, hidden] value less)")
     i.add_argument("--gpu", default="h200", help="hardware profile for time estimates: a built-in name or a JSON file")
     i.add_argument("--overlap-optimizer", default="false", choices=["false", "forward", "backward"],
                    help="backward: the host optimizer updates each segment as its gradients land, under the "

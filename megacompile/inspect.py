@@ -374,7 +374,8 @@ def to_text(report: dict, show: str) -> str:
     lines.append(f"{m['source']} ({m['model_type']}): {m['layers']} layers, {m['parameters'] / 1e9:.2f}B params, "
                  f"{m['dtype']}; batch {report['batch']} x seq {report['seq']}; slots {report['slots']}; "
                  f"hardware {report['hardware']['name']}; distinct layer bodies {m['distinct_layer_bodies']}"
-                 + (f"; MLPs in {max(report['mlp_tiles'])} sequence tiles" if report.get("mlp_tiles") else ""))
+                 + (f"; layer tails (MLP, norms, output projection) in {max(report['mlp_tiles'])} sequence tiles"
+                    if report.get("mlp_tiles") else ""))
     for direction, d in report["directions"].items():
         lines.append(f"\n== {direction}")
         if show == "graphs":

@@ -60,6 +60,9 @@ _CHOICES = {
     "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
     "offload_checkpoints": {"auto": "when the step does not fit device_budget with them on the device",
                             "always": None, "never": None},
+    "reload_checkpoints": {"auto": "ahead, unless the step does not fit device_budget otherwise",
+                           "ahead": "one segment ahead of the backward that reads it (overlapped)",
+                           "late": "just before that backward: one checkpoint less on the device"},
     "attention": {"segments": "no seq x seq mask; transformers' attention where it cannot run",
                   "transformers": "the model's own attention implementation, as set"},
     "data_parallel": {"auto": "when torch.distributed is initialised with more than one rank", "off": None},
@@ -245,6 +248,13 @@ class Options:
     #: its backward, on the copy streams. "auto": only when the step would not fit
     #: `device_budget` with them on the device; "always"; "never".
     offload_checkpoints: str = "auto"
+    #: When an offloaded layer checkpoint comes back (passes/offload_checkpoints.py): "ahead", one
+    #: segment before the backward that reads it, its copy under that segment's compute (two
+    #: checkpoints on the device during a layer's backward); "late", just before that backward
+    #: (one: a [seq, hidden] value less at the peak, its copy not hidden: 16 GiB at 2M tokens of
+    #: Llama-3-8B, ~0.3 s on PCIe 5 beside a layer backward of minutes); "auto": ahead, and late
+    #: only when the step does not fit `device_budget` otherwise (after more sequence tiles).
+    reload_checkpoints: str = "auto"
     #: Data parallelism over torch.distributed (megacompile/distributed.py): "auto" when a process
     #: group of more than one rank is initialised (torchrun): the node's ranks share one host copy
     #: of the state, each fetches its part of every layer and all-gathers the rest, gradients are

@@ -213,6 +213,7 @@ class Plan:
     vision_bytes: int = 0              # device bytes of the VLM's vision side (outside the store)
     checkpoints_on_host: bool = False  # layer checkpoints offloaded (offload_checkpoints)
     mlp_tiles: int = 1                 # sequence tiles of each MLP (tile_mlp)
+    late_reload: bool = False          # checkpoints reloaded just before their backward (reload_checkpoints)
     ssd: dict | None = None            # the SSD profile of the NVMe state tier (None: no tier asked)
     ssd_capacity: int = 0              # bytes the tier may use on it (0: not known, not checked)
     ssd_capacity_source: str = ""
@@ -242,6 +243,7 @@ class Plan:
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "checkpoints_on_host": self.checkpoints_on_host, "mlp_tiles": self.mlp_tiles,
+             "late_reload": self.late_reload,
              "accum": self.accum, "gpus": self.gpus, "shm_bytes": self.shm_bytes, "nvme": nvme_summary(self),
              "fits": self.fits, "problems": self.problems, "host_measured": self.host_measured or None,
              "host_bound": host_bound(self.best) if self.best else None,
@@ -363,6 +365,16 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
             if more.device_peak(1) > m.device_peak(1) * (1 - TILE_GAIN):
                 break
             m, options = more, tiled
+    # then each checkpoint reloaded just before its layer's backward, not one segment ahead
+    if options.get("reload_checkpoints", "auto") == "auto" and checkpoints_on_host and m.device_peak(1) > capacity:
+        late = {**options, "reload_checkpoints": "late"}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            caps = [capture(b, late, ", checkpoints reloaded late") for b in (2, 4)]
+        later = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
+        later.late_reload = True
+        if later.device_peak(1) < m.device_peak(1):
+            m, options = later, late
 
     lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
@@ -438,7 +450,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
                 vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host,
-                mlp_tiles=_mlp_tiles(config, options, seq), ssd=ssd.to_dict() if ssd is not None else None,
+                mlp_tiles=_mlp_tiles(config, options, seq), late_reload=m.late_reload,
+                ssd=ssd.to_dict() if ssd is not None else None,
                 ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum, gpus=gpus)
     _check(plan, m, p1, slope)
     return plan
@@ -553,6 +566,9 @@ def to_text(plan: Plan) -> str:
              *([f"long sequence: each layer's MLP, norms, output projection and residuals run in {plan.mlp_tiles} "
                 "sequence tiles (mlp_tiles)"]
                if plan.mlp_tiles > 1 else []),
+             *(["each layer checkpoint comes back just before its layer's backward, not a segment ahead "
+                "(reload_checkpoints: late; one [seq, hidden] value less on the device, its copy not overlapped)"]
+               if plan.late_reload else []),
              *(["", *nvme_lines(plan, fmt_bytes)] if plan.ssd else []),
              "",
              f"device memory (usable {fmt_bytes(plan.device_capacity)}; "

@@ -98,6 +98,7 @@ class PrefixModel:
     def __init__(self, full_kinds: list[int], prefix_len: int, a: Capture, b: Capture, hw: Hardware):
         self.kinds, self.k, self.a, self.b, self.hw = full_kinds, prefix_len, a, b, hw
         self.checked: dict[int, int] = {}   # batch -> peak from a capture at that batch
+        self.late_reload = False            # checkpoints reloaded just before their backward (not ahead)
         rep = {}
         for i in range(prefix_len):
             rep.setdefault(full_kinds[i], i)
@@ -145,7 +146,8 @@ class PrefixModel:
     def with_checkpoints(self, direction: str, steps: list, infos: list, batch: int) -> list:
         """`steps` with the checkpoint moves the offload_checkpoints pass writes: each layer's
         checkpoint (the embedding's or the previous layer's output) offloaded after the run
-        that makes it, and reloaded before the segment ahead of that layer's backward."""
+        that makes it, and reloaded before the segment ahead of that layer's backward (with
+        `late_reload`, just before that backward's own run)."""
         per_layer = self.host_checkpoints(batch) // max(1, len(self.kinds))
         if not per_layer:
             return steps
@@ -156,8 +158,9 @@ class PrefixModel:
             moved = {k for k, s in enumerate(infos) if 1 <= s.group <= layers}
         out = []
         for step in steps:
-            if direction == "backward" and step.op == "run" and step.segment + 1 in moved:
-                out.append(Step("reload", "h2d", step.segment + 1, per_layer))
+            ahead = 0 if self.late_reload else 1
+            if direction == "backward" and step.op == "run" and step.segment + ahead in moved:
+                out.append(Step("reload", "h2d", step.segment + ahead, per_layer))
             out.append(step)
             if direction == "forward" and step.op == "run" and step.segment in moved:
                 out.append(Step("offload", "d2h", step.segment, per_layer))

@@ -61,6 +61,7 @@ class PassContext:
     kernels: str = "none"               # "triton": fused kernels replace RMSNorm / SwiGLU (fused_kernels)
     logits: str = "keep"                # "drop": LM head + loss fused, no logits returned (fused_lm_loss)
     mlp_tiles: Any = "auto"             # MLP sequence tiles: an int, or "auto" (tile_mlp)
+    reload_checkpoints: str = "ahead"   # offloaded checkpoints back "ahead" or "late" (offload_checkpoints)
     layer_regions: bool = True          # cut decoder layers into one subgraph per kind (layer_subgraphs)
     data_parallel: int = 1              # ranks sharing one host copy of the state (data_parallel)
     data_parallel_nodes: int = 1        # nodes holding a replica each (data_parallel)

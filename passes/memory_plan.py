@@ -20,7 +20,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
 from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, host_values,
-                  liveness, segment_calls, walk)
+                  liveness, op_of, segment_calls, walk)
 from ..ir_ops import fetch_expert_rows, linear_cross_entropy_workspace, triton_runs
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
@@ -150,6 +150,20 @@ def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -
         + ". Or lower the batch size or sequence length, or set recompute_head=True.")
 
 
+def _alias_key(n: fx.Node):
+    """Which program values share their bytes: those on one (fake) storage that one run made,
+    or that one run reads first (a backward's saved values). The fake storage alone does not
+    say it: the layers of one kind are traced once (passes/layer_subgraphs.py), so the values
+    of all of them carry the same fake tensors."""
+    key = storage_key(n.meta.get("val"))
+    if key is None:
+        return None
+    if op_of(n) == "output_of":
+        return n.args[0].name, key
+    runs = [u.name for u in n.users if op_of(u) == "run"]
+    return (runs[0] if runs else n.name), key
+
+
 class _Account:
     """Device bytes while walking a schedule program: one handler per program op, each freeing
     what dies at its node (`frees`, the executor's liveness) where the executor frees it."""
@@ -159,7 +173,7 @@ class _Account:
         host = host_values(program)   # (offloaded checkpoints: host bytes, not device bytes)
         self.sizes = {n.name: 0 if n.name in host else value_bytes(n.meta.get("val")) for n in program.graph.nodes}
         # views of one storage (the tiles of a split, saved one by one) hold its bytes once
-        self.storage = {n.name: storage_key(n.meta.get("val")) for n in program.graph.nodes}
+        self.storage = {n.name: _alias_key(n) for n in program.graph.nodes}
         self.live = {n.name for n in program.graph.nodes if n.op == "placeholder" and WEIGHT_GROUP not in n.meta}
         self.host_bytes = sum(value_bytes(n.meta.get("val")) for n in program.graph.nodes if n.name in host)
         self.resident = self.peak_weights = 0

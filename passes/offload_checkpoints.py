@@ -17,6 +17,10 @@ programs as ops:
                seg4 = body(...)                                ahead: under segment 4's compute)
                seg5 = body(reload, ...)              (the run waits for its reloads)
 
+With `reload_checkpoints="late"` (PassContext; the option's "auto" under a device budget the
+step does not fit otherwise) the reload is issued just before segment 5's run instead: one
+checkpoint on the device during a layer's backward instead of two, its copy not overlapped.
+
 The executor runs them (runtime/checkpoints.py), the memory plan counts the device copy from
 its reload to its last reader and never the host one, the simulator times them on their
 streams. Without this pass (disabled) or without marks (an inference forward, a step that fits,
@@ -56,7 +60,7 @@ def _offload(program: fx.GraphModule, positions) -> int:
     return moved
 
 
-def _reload(program: fx.GraphModule, positions, device) -> int:
+def _reload(program: fx.GraphModule, positions, device, ahead: bool = True) -> int:
     nodes = list(program.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     runs = [n for n in nodes if op_of(n) == "run"]
@@ -69,7 +73,7 @@ def _reload(program: fx.GraphModule, positions, device) -> int:
             continue   # (read between segments only: leave it as is)
         consumer = runs[first_run]
         # issued before the run ahead of its consumer: the copy runs under that segment's compute
-        before = runs[first_run - 1] if first_run > 0 else consumer
+        before = runs[first_run - 1] if first_run > 0 and ahead else consumer
         before = min([before, *readers], key=nodes.index)
         with program.graph.inserting_before(before):
             node = program.graph.call_function(SCHEDULE_OPS["reload"], (_segment_of_run(consumer), ph, device))
@@ -82,7 +86,8 @@ def _reload(program: fx.GraphModule, positions, device) -> int:
     return moved
 
 
-@graph_pass("offload_checkpoints", reads=(SEGMENT, SCHEDULE), writes=(SCHEDULE,), uses=("direction", "device"))
+@graph_pass("offload_checkpoints", reads=(SEGMENT, SCHEDULE), writes=(SCHEDULE,),
+            uses=("direction", "device", "reload_checkpoints"))
 def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     positions = gm.meta.get(CHECKPOINTS)   # (read when present: set by the partitioner, not a pass)
     if not positions:
@@ -91,7 +96,8 @@ def offload_checkpoints(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.direction == "forward":
         moved = _offload(program, positions)
     else:
-        moved = _reload(program, positions, torch.device(ctx.device) if ctx.device is not None else "cpu")
+        moved = _reload(program, positions, torch.device(ctx.device) if ctx.device is not None else "cpu",
+                        ahead=ctx.reload_checkpoints != "late")
     program.graph.lint()
     program.recompile()
     ctx.records.append(("offload_checkpoints", ctx.direction, moved))

@@ -105,14 +105,15 @@ def test_checkpoints_on_the_host_are_bit_identical(family):
     assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]) if a is not None)
 
 
-def _measured(seq: int, offload: str) -> tuple[int, int, int]:
+def _measured(seq: int, offload: str, reload: str = "ahead") -> tuple[int, int, int]:
     """(planned peak, independently measured peak, host checkpoint bytes) of a compiled step's
     second run, tiny Llama with 6 layers, left-padded, gradients synchronous (see
     test_memory_plan._planned_and_probed); the host copies of checkpoints are not device bytes."""
     model = tiny_model("llama", layers=6)
     ids, labels, kw = _long_batch(seq, "left")
     cmodel = torch.compile(model, backend="megatrain",
-                           options={"device": "cpu", "overlap_grads": False, "offload_checkpoints": offload})
+                           options={"device": "cpu", "overlap_grads": False, "offload_checkpoints": offload,
+                                    "reload_checkpoints": reload})
     cmodel(input_ids=ids, labels=labels, use_cache=False, **kw).loss.backward()
     program = programs_of(model)[0]
     model.zero_grad(set_to_none=True)
@@ -143,6 +144,30 @@ def test_device_peak_is_linear_in_the_sequence_and_within_the_plan():
     assert h2 == 2 * h1 > 0
     _, kept, _ = _measured(2048, "never")
     assert m2 < kept
+
+
+def test_late_reloads_hold_one_checkpoint_less_and_change_no_number():
+    """reload_checkpoints="late": each checkpoint comes back just before its layer's backward,
+    not under the segment ahead: the planned and the measured peaks fall by about one
+    checkpoint ([seq, hidden]), the plan still bounds the measurement, and losses and gradients
+    equal the ahead schedule's bit for bit."""
+    planned_ahead, measured_ahead, _ = _measured(2048, "always")
+    planned, measured, _ = _measured(2048, "always", "late")
+    checkpoint = 2048 * 32 * 4   # (tiny Llama: hidden 32, fp32)
+    assert measured <= planned <= 1.25 * measured
+    assert planned <= planned_ahead - checkpoint // 2 and measured <= measured_ahead - checkpoint // 2, \
+        (planned_ahead, planned, measured_ahead, measured)
+    base = tiny_model("llama", layers=4)
+    ids, labels, kw = _long_batch(1024, "left")
+    runs = []
+    for reload in ("ahead", "late"):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        loss = _step(model, ids, labels, kw, offload_checkpoints="always", reload_checkpoints=reload)
+        runs.append((loss, [p.grad for p in model.parameters()]))
+        assert _ops(programs_of(model)[-1], "backward", "reload") == 4
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]) if a is not None)
 
 
 def test_auto_offloads_only_when_the_budget_needs_it():
@@ -180,3 +205,22 @@ def test_the_pass_disabled_keeps_them_on_the_device():
     torch._dynamo.reset()
     other = tiny_model("llama", layers=3)
     assert torch.equal(_step(other, ids, labels, kw, offload_checkpoints="always"), loss)
+
+
+def test_a_budget_between_the_two_reloads_chooses_late():
+    """reload_checkpoints="auto" under a device budget the ahead schedule does not fit but the
+    late one does: the backend compiles again with late reloads and trains."""
+    ids, labels, kw = _long_batch(2048, "left")
+    peaks = {}
+    for reload in ("ahead", "late"):
+        torch._dynamo.reset()
+        model = tiny_model("llama", layers=6)
+        _step(model, ids, labels, kw, offload_checkpoints="always", mlp_tiles=1, reload_checkpoints=reload)
+        peaks[reload] = max(c.plan.peak_bytes for c in programs_of(model)[-1].compiled.values())
+    torch._dynamo.reset()
+    model = tiny_model("llama", layers=6)
+    _step(model, ids, labels, kw, offload_checkpoints="always", mlp_tiles=1,
+          device_budget=(peaks["ahead"] + peaks["late"]) // 2)
+    program = programs_of(model)[-1]
+    assert program.options.reload_checkpoints == "late"
+    assert max(c.plan.peak_bytes for c in program.compiled.values()) == peaks["late"]
