@@ -351,29 +351,30 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
             m, options, checkpoints_on_host = moved, offloading, True
 
     # more sequence tiles while batch 1 does not fit (what the backend's search under
-    # device_budget does with mlp_tiles "auto"): the fewest that fit, stopping once a doubling
-    # lowers the peak by less than TILE_GAIN
+    # device_budget does with mlp_tiles "auto"), then late checkpoint reloads: each candidate is
+    # captured at batch 2 first, and at batch 4 only when it lowers that peak by TILE_GAIN or more
+    # (a capture at 2M tokens takes tens of seconds)
+    def better(opts: dict, why: str) -> PrefixModel | None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            at2 = capture(2, opts, why)
+            if max(d.peak for d in at2.directions.values()) > (1 - TILE_GAIN) * max(
+                    d.peak for d in m.a.directions.values()):
+                return None
+            return PrefixModel(kinds, prefix_len, at2, capture(4, opts, why), hardware)
+
     if options.get("mlp_tiles", "auto") == "auto" and m.device_peak(1) > capacity:
         tiles = max(1, _mlp_tiles(config, options, seq))
         while m.device_peak(1) > capacity and tiles < min(MAX_BUDGET_TILES, seq):
             tiles *= 2
             tiled = {**options, "mlp_tiles": tiles}
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                caps = [capture(b, tiled, f", its layers in {tiles} sequence tiles") for b in (2, 4)]
-            more = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
-            if more.device_peak(1) > m.device_peak(1) * (1 - TILE_GAIN):
+            if (more := better(tiled, f", its layers in {tiles} sequence tiles")) is None:
                 break
             m, options = more, tiled
-    # then each checkpoint reloaded just before its layer's backward, not one segment ahead
     if options.get("reload_checkpoints", "auto") == "auto" and checkpoints_on_host and m.device_peak(1) > capacity:
         late = {**options, "reload_checkpoints": "late"}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            caps = [capture(b, late, ", checkpoints reloaded late") for b in (2, 4)]
-        later = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
-        later.late_reload = True
-        if later.device_peak(1) < m.device_peak(1):
+        if (later := better(late, ", checkpoints reloaded just before their backward")) is not None:
+            later.late_reload = True
             m, options = later, late
 
     lookahead, weights_at_peak = {}, 0
