@@ -129,10 +129,7 @@ def cpu_step(seq: int, steps: int, layers: int, hidden: int, compiled: bool,
     copies.clear()
     peak = measured.peak(exclude=host_grads(measured, model) | host)
     model.zero_grad(set_to_none=True)
-    tiles = 1
-    if compiled:
-        records = programs_of(model)[-1].pass_records["dynamo"]
-        tiles = max(next((r[2] for r in records if r[:2] == ("tile_mlp", "tiled")), None) or [1])
+    tiles = max(programs_of(model)[-1].tile_counts, default=1) if compiled else 1
     return statistics.median(times), peak, tiles
 
 

@@ -100,6 +100,11 @@ class Program:
         self._step: dict[str, Any] = {}
         self.last_run = 0.0
 
+    @property
+    def tile_counts(self) -> list[int]:
+        """The sequence tiles of each tiled region, as passes/tile_mlp.py recorded them ([]: none)."""
+        return next((r[2] for r in self.pass_records.get("dynamo", []) if r[:2] == ("tile_mlp", "tiled")), [])
+
     def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
         """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
         if self.topo.enabled:
@@ -399,8 +404,7 @@ def _planned_peak(program: Program) -> int:
 
 
 def _tiles_used(program: Program) -> int:
-    return max((max(r[2], default=1) for r in program.pass_records.get("dynamo", [])
-                if r[:2] == ("tile_mlp", "tiled")), default=1)
+    return max(program.tile_counts, default=1)
 
 
 def _graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -289,7 +289,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         "forward_backward_seconds": forward_backward,
         "overlap_optimizer": overlap_optimizer,
         "nvme": ({"profile": ssd.name, "placement": placement, "bytes_per_step": tiered} if ssd is not None else None),
-        "mlp_tiles": next((r[2] for r in program.pass_records.get("dynamo", []) if r[:2] == ("tile_mlp", "tiled")), []),
+        "mlp_tiles": program.tile_counts,
         "inspect_seconds": time.perf_counter() - t_start,
     }
 

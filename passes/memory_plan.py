@@ -52,19 +52,6 @@ def storage_key(val):
         return None
 
 
-def distinct_bytes(vals) -> int:
-    """Bytes of `vals` (fake values) with each storage counted once."""
-    seen, total = set(), 0
-    for v in vals:
-        key = storage_key(v)
-        if key is None:
-            total += value_bytes(v)
-        elif key not in seen:
-            seen.add(key)
-            total += value_bytes(v)
-    return total
-
-
 def _workspace(n: fx.Node, triton: bool) -> int:
     """Bytes an op allocates internally beyond its outputs (our fused ops; 0 for aten ops)."""
     if n.op == "call_function" and getattr(n.target, "name", lambda: "")() == "megatrain::linear_cross_entropy":

@@ -258,8 +258,9 @@ def _tile(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], y: 
     dim = inputs[0].meta["example_value"].dim() - 2   # (the sequence: 1 of [b, s, h], 0 of [tokens, h])
     with graph.inserting_before(y.next):   # (after everything the region reads: see _grow)
         parts = {}
+        sizes = _tile_sizes(graph, inputs[0], dim, tiles)   # (every input has the region's tokens)
         for x in inputs:
-            split = graph.call_function(torch.split, (x, _tile_sizes(graph, x, dim, tiles)), {"dim": dim})
+            split = graph.call_function(torch.split, (x, sizes), {"dim": dim})
             parts[x] = [graph.call_function(operator.getitem, (split, i)) for i in range(tiles)]
         outs = []
         for i in range(tiles):

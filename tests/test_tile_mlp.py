@@ -25,7 +25,7 @@ def _run(model, tiles, ids, mask, labels):
     loss = cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
     loss.backward()
     program = programs_of(model)[-1]
-    tiled = next(r[2] for r in program.pass_records["dynamo"] if r[:2] == ("tile_mlp", "tiled"))
+    tiled = program.tile_counts
     return loss, [p.grad for p in model.parameters()], tiled, program
 
 
@@ -138,7 +138,7 @@ def _long_step(base, ids, options):
     loss = cmodel(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     program = programs_of(model)[-1]
-    tiles = next(r[2] for r in program.pass_records["dynamo"] if r[:2] == ("tile_mlp", "tiled"))
+    tiles = program.tile_counts
     return loss, [p.grad for p in model.parameters()], tiles, program.last_stats["peak_device_bytes"]
 
 
