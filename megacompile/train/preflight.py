@@ -140,7 +140,8 @@ def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | 
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size
     options = {k: v for k, v in config.megatrain.items()
-               if k in ("recompute", "recompute_head", "logits", "mlp_tiles", "offload_checkpoints", "attention")}
+               if k in ("recompute", "recompute_head", "logits", "mlp_tiles", "offload_checkpoints",
+                        "reload_checkpoints", "attention")}
     hardware, why = hardware_for(config, device, dtype)
     plan = plan_model(model.config, hardware=hardware, seq=config.cutoff_len, batch=batch,
                       slots=config.megatrain.get("slots", 2), dtype=dtype, max_batch=batch, options=options,
