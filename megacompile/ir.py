@@ -447,6 +447,8 @@ class MemoryPlan:
     per_step: list[int] = field(default_factory=list)
     largest_segment_weight_bytes: int = 0
     host_checkpoint_bytes: int = 0   # layer checkpoints this direction keeps on the host
+    # segment -> its body's bytes while it runs, the inputs it frees (its last reader) included
+    run_transient: dict[int, int] = field(default_factory=dict)
 
 
 # traced values ---------------------------------------------------------------------------

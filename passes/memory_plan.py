@@ -64,20 +64,32 @@ def _workspace(n: fx.Node, triton: bool) -> int:
     return 0
 
 
-def body_transient_bytes(body: fx.GraphModule, triton: bool = False) -> int:
+def body_transient_bytes(body: fx.GraphModule, triton: bool = False,
+                         consumed: tuple[tuple[tuple[int, ...], int], ...] = ()) -> int:
     """Peak bytes of a body's intermediates (and fused ops' workspaces, with `triton` as on a
     GPU). A view adds no bytes and keeps its base's alive until its own last reader; an op with
     several outputs allocates them together, and each dies with the last reader of its getitem.
+    `consumed` names inputs the caller no longer holds (boxed call, runtime/lowering.py), as
+    (placeholder positions sharing one storage, its bytes): counted from the start, and freed
+    at their last reader in the body.
 
         mm_4 = mm(x, w); v = _unsafe_view(mm_4, [1, s, i]); y = silu(v)
         (mm_4's bytes live until silu reads v, not until the view is made)
         dq, dk, dv = segment_attention_backward(...)      (three values, each freed on its own)
+        body([checkpoint, grad_out, ...])   (grad_out's bytes are freed after the tail's backward)
     """
     def view(n: fx.Node) -> bool:
         return n.target in _ALIASING or getattr(n.target, "is_view", False)
 
     nodes = list(body.graph.nodes)
     root: dict[fx.Node, fx.Node] = {}    # a view (or an element of a view op's list) -> what owns its bytes
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    live, sizes = 0, {}
+    for positions, nbytes in consumed:
+        owner = placeholders[positions[0]]
+        root.update((placeholders[p], owner) for p in positions[1:])
+        sizes[owner] = nbytes
+        live += nbytes
     for n in nodes:
         if n.op != "call_function" or not n.args or not isinstance(n.args[0], fx.Node):
             continue
@@ -87,7 +99,10 @@ def body_transient_bytes(body: fx.GraphModule, triton: bool = False) -> int:
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
             last[root.get(a, a)] = i
-    live, peak, sizes = 0, 0, {}
+    for owner in list(sizes):   # (an input nothing reads)
+        if owner not in last:
+            live -= sizes.pop(owner)
+    peak = live
     for i, n in enumerate(nodes):
         if n.op in ("call_function", "call_method", "call_module") and n not in root \
                 and n.target is not operator.getitem:
@@ -155,8 +170,9 @@ class _Account:
     """Device bytes while walking a schedule program: one handler per program op, each freeing
     what dies at its node (`frees`, the executor's liveness) where the executor frees it."""
 
-    def __init__(self, program: fx.GraphModule, transient: dict[str, int], frees: dict[int, list[str]]):
-        self.transient, self.frees = transient, frees
+    def __init__(self, program: fx.GraphModule, transient, frees: dict[int, list[str]]):
+        self.transient, self.frees = transient, frees   # transient(run node, consumed inputs) -> bytes
+        self.run_transient: dict[int, int] = {}         # segment -> its body's bytes as it ran here
         host = host_values(program)   # (offloaded checkpoints: host bytes, not device bytes)
         self.sizes = {n.name: 0 if n.name in host else value_bytes(n.meta.get("val")) for n in program.graph.nodes}
         # views of one storage (the tiles of a split, saved one by one) hold its bytes once
@@ -187,10 +203,22 @@ class _Account:
         self.resident -= n.meta[STEP].nbytes
         self.step(i, n)
 
-    def run(self, i: int, n: fx.Node) -> None:   # counted while its body runs, then its dead values go
-        before = self.bytes()
+    def run(self, i: int, n: fx.Node) -> None:
+        """Counted while its body runs, then its dead values go. The inputs it reads last are the
+        body's to free (boxed call) unless another live value shares their storage."""
+        dead = {a.name for a in n.args if isinstance(a, fx.Node) and a.name in self.live} & set(self.frees.get(i, ()))
+        kept = {self.storage[v] for v in self.live - dead}
+        groups: dict[object, list[int]] = {}
+        for position, a in enumerate(n.args):
+            if isinstance(a, fx.Node) and a.name in dead and (self.storage[a.name] is None
+                                                               or self.storage[a.name] not in kept):
+                groups.setdefault(self.storage[a.name] or a.name, []).append(position)
+        consumed = tuple((tuple(ps), max(self.sizes[n.args[p].name] for p in ps)) for ps in groups.values())
+        self.live.difference_update(n.args[p].name for ps in groups.values() for p in ps)
+        before, body = self.bytes(), self.transient(n, consumed)
+        self.run_transient[n.meta[STEP].segment] = body
         self.live.update(n.meta[SEGMENT]["outputs"])   # (its getitems: bound as it returns)
-        self.per_step.append(max(before + self.transient[n.meta.get(BODY, n.target)], self.bytes()))
+        self.per_step.append(max(before + body, self.bytes()))
         self.free(i)
 
     def step(self, i: int, n: fx.Node) -> None:   # wait, grad_offload, ...: what is live once it is done
@@ -216,8 +244,17 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         name = n.meta.get(BODY, n.target)
         if name not in transient:
             transient[name] = body_transient_bytes(gm.get_submodule(name), triton)
+    bodies = [n.meta.get(BODY, n.target) for n in segment_calls(gm)]   # (segment k is call k)
+    with_inputs: dict[tuple, int] = {}
+
+    def run_transient(run: fx.Node, consumed) -> int:   # (once per body and consumed inputs)
+        name = bodies[run.meta[STEP].segment]
+        if (name, consumed) not in with_inputs:
+            with_inputs[name, consumed] = body_transient_bytes(gm.get_submodule(name), triton, consumed)
+        return with_inputs[name, consumed]
+
     program = schedule.program
-    account = _Account(program, transient, liveness(program).frees)   # (the executor frees by the same analysis)
+    account = _Account(program, run_transient, liveness(program).frees)   # (the executor frees by the same analysis)
     walk(program, {"prefetch": account.prefetch, "evict": account.evict, "run": account.run, "wait": account.step,
                    "grad_offload": account.step, "offload": account.step, "reload": account.reload,
                    # data parallelism: a sharded fetch fills a whole buffer, as a fetch does; the
@@ -230,5 +267,5 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     gm.meta[MEMORY_PLAN] = MemoryPlan(per_step[peak_step] if per_step else 0, peak_step, account.peak_weights,
                                       transient, per_step,
                                       max((seg.weight_nbytes for seg in schedule.segments), default=0),
-                                      account.host_bytes)
+                                      account.host_bytes, account.run_transient)
     return gm

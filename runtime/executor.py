@@ -16,7 +16,8 @@ this module's (fp32, the rank's parts kept for its grad_offload), an offload/rel
 checkpoint mover's (runtime/checkpoints.py: host copies of layer checkpoints, which are not
 device bytes), a run calls the lowered body with its weight inputs
 bound to device views from the pool (never the host parameters). Every value is freed right after its last reader (one
-liveness analysis, `ir.liveness`, the memory plan's too), and the byte accounting that
+liveness analysis, `ir.liveness`, the memory plan's too); a run that is a value's last reader
+hands it over (boxed call): the body frees it at its own last reader inside, and the byte accounting that
 `megacompile.stats` reports is kept here. An op a later pass adds needs a handler here, in the
 memory plan and in the simulator: the program is refused up front otherwise.
 """
@@ -40,6 +41,7 @@ class Call:
     body: fx.GraphModule
     inputs: list[tuple[str, int | None]]   # (value name, flat index if it is a weight)
     outputs: list[str]
+    consumed: tuple[str, ...] = ()   # inputs whose last reader is this call: the body frees them
 
 
 def _nbytes(v) -> int:
@@ -81,17 +83,21 @@ class DirectionRunner:
         self.bodies, self.body_of = compiled.bodies, compiled.body_of
         # each run as the program writes it (a pass may have rerouted an input, e.g. through a
         # checkpoint reload; the run node carries its segment's SEGMENT tag)
+        # the program's nodes as (profiler range, handler, node, values dead after it): one table
+        # of handlers; the values die by the memory plan's own analysis (ir.liveness)
+        lives = liveness(self.schedule.program)
+        position = {n: i for i, n in enumerate(self.schedule.program.graph.nodes)}
         runs = sorted((n for n in self.schedule.program.graph.nodes if STEP in n.meta and n.meta[STEP].op == "run"),
                       key=lambda n: n.meta[STEP].segment)
         self.calls = [Call(compiled.body(n.meta[STEP].segment), [(a.name, weight_names.get(a.name)) for a in n.args],
-                           list(n.meta[SEGMENT]["outputs"])) for n in runs]
+                           list(n.meta[SEGMENT]["outputs"]),
+                           tuple({a.name for a in n.args if a.name not in weight_names}
+                                 & set(lives.frees.get(position[n], ()))))
+                      for n in runs]
         # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
         self.plan = compiled.plan
         self.transient = compiled.transient
         self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
-        # the program's nodes as (profiler range, handler, node, values dead after it): one table
-        # of handlers; the values die by the memory plan's own analysis (ir.liveness)
-        lives = liveness(self.schedule.program)
         self.offloaded = lives.offloaded
         self.host_names = host_values(self.schedule.program)   # (kept out of env: not device bytes)
         self.ops = []
@@ -269,12 +275,15 @@ class DirectionRunner:
         if run.debug:
             _check_inputs_have_storage(inputs, call, k)
         self.program.checkpoints.ready(inputs)   # (reloads this body reads: copied in by now)
+        for name in call.consumed:   # (the body holds the only reference: freed at its last reader there)
+            del env[name]
         before = self._live(env) + pool.counters.resident_bytes
-        outs = self.runs[self.body_of[k]](*inputs)
+        outs = self.runs[self.body_of[k]](inputs)   # (boxed: the body empties `inputs`)
         for name, value in zip(call.outputs, outs):   # (the program's getitems of this call: bound here)
             env[name] = value
         after = self._live(env) + pool.counters.resident_bytes
-        run.peak = max(run.peak, before + self.transient[self.body_of[k]], after)
+        plan = self.plan.run_transient.get(k) if self.plan is not None else None
+        run.peak = max(run.peak, before + (self.transient[self.body_of[k]] if plan is None else plan), after)
 
     def _grad_offload(self, run: _Run, node: fx.Node) -> None:
         k = node.meta[STEP].segment

@@ -14,6 +14,12 @@ symbolic (a compiled body is specialised to one shape; Dynamo's dynamic shapes w
 recompile per size); `Program.lowering_records` says which form each body got and why, with
 the measured times. The numerics are Inductor's: fused elementwise ops round once instead of
 per op, so results match eager within floating-point reassociation, not bit for bit.
+
+Every body runs with the boxed calling convention: it takes its inputs as one list and empties
+it, so an input the caller no longer holds (the executor drops the values whose last reader is
+this body) dies at its last reader inside the body, not when the body returns:
+
+    outs = run([checkpoint, grad_out, w...])   # grad_out freed after the MLP's backward reads it
 """
 from __future__ import annotations
 
@@ -82,16 +88,26 @@ def _inputs(body: fx.GraphModule, device: torch.device) -> list:
     return out
 
 
+def boxed(body: fx.GraphModule) -> fx.GraphModule:
+    """`body` as a function of one list of inputs that it empties (FX's generated code then
+    drops each input after its last reader, as it does every intermediate)."""
+    from torch.fx.graph import _BoxedCodeGen   # (torch's own: compiled autograd's and regional Inductor's)
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(body.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    return fx.GraphModule(body, graph, class_name=type(body).__name__)
+
+
 def _time(fn: Callable, inputs: list, device: torch.device, repeat: int = 5) -> float:
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-    fn(*inputs)   # warm up
+    fn(list(inputs))   # warm up
     times = []
     for _ in range(repeat):
         sync()
         t0 = time.perf_counter()
-        fn(*inputs)
+        fn(list(inputs))
         sync()
         times.append(time.perf_counter() - t0)
     return min(times)   # other load only ever adds time
@@ -113,30 +129,35 @@ def _compile(body: fx.GraphModule, inputs: list) -> Callable:
     fake = FakeTensorMode(shape_env=ShapeEnv())
     examples = [fake.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     with tracing(TracingContext(fake)):
-        return CompiledBody(compile_fx_inner(graph, examples), body)
+        return CompiledBody(compile_fx_inner(graph, examples), boxed(body), inputs)
 
 
 class CompiledBody:
-    """An Inductor-compiled body; if an input ever arrives with other sizes or strides than
-    traced (Inductor's input checks raise), the body runs eagerly from then on."""
+    """An Inductor-compiled body (boxed, as Inductor's own calls are). An input that arrives
+    with other sizes or strides than traced would fail Inductor's checks after the list was
+    emptied, so they are compared first: the body then runs eagerly from then on."""
 
-    def __init__(self, compiled, body: fx.GraphModule):
+    def __init__(self, compiled, body: fx.GraphModule, inputs: list):
         self.compiled, self.body, self.fallbacks = compiled, body, 0
+        self.layouts = [_layout(x) for x in inputs]
 
-    def __call__(self, *args):
+    def __call__(self, args: list):
         if not self.fallbacks:
-            try:
-                return self.compiled(list(args))
-            except AssertionError:
-                self.fallbacks += 1
-        return self.body(*args)
+            if [_layout(x) for x in args] == self.layouts:
+                return self.compiled(args)
+            self.fallbacks += 1
+        return self.body(args)
+
+
+def _layout(x):
+    return (tuple(x.shape), x.stride(), x.dtype, x.device) if isinstance(x, torch.Tensor) else type(x)
 
 
 def lower(bodies: dict[str, fx.GraphModule], mode: str, device: torch.device) -> tuple[dict[str, Callable], dict]:
-    """(body name -> callable to run, body name -> record) for `mode` as resolved on `device`."""
+    """(body name -> boxed callable to run, body name -> record) for `mode` as resolved on `device`."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     mode = resolve(mode, device)
-    runs: dict[str, Callable] = dict(bodies)
+    runs: dict[str, Callable] = {name: boxed(body) for name, body in bodies.items()}
     records: dict[str, dict] = {}
     if mode == "eager":
         return runs, {name: {"lowering": "eager"} for name in bodies}
@@ -154,9 +175,9 @@ def lower(bodies: dict[str, fx.GraphModule], mode: str, device: torch.device) ->
                 compiled = _compile(body, inputs)
                 compile_s = time.perf_counter() - t0
                 if mode == "measure":
-                    eager_s, inductor_s = _time(body, inputs, device), _time(compiled, inputs, device)
+                    eager_s, inductor_s = _time(runs[name], inputs, device), _time(compiled, inputs, device)
                 else:
-                    compiled(*inputs)
+                    compiled(list(inputs))
                     eager_s = inductor_s = None
             except Exception as e:   # Inductor cannot compile it, or random inputs cannot drive it
                 records[name] = {"lowering": "eager", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}

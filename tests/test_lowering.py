@@ -106,4 +106,34 @@ def test_a_body_compiled_again_loads_from_inductors_disk_cache(tmp_path, monkeyp
     assert "lowering body 1/1 (seg0" in caplog.text and "body 1/1 compiled in" in caplog.text
     again, _ = lowering.lower({"seg0": body}, "inductor", torch.device("cpu"))
     assert counters["inductor"]["fxgraph_cache_hit"] == 1
-    torch.testing.assert_close(again["seg0"](*inputs), body(*inputs), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(again["seg0"](list(inputs)), body(*inputs), rtol=1e-5, atol=1e-6)
+
+
+def test_a_body_frees_an_input_at_its_last_reader():
+    """Bodies run boxed: an input the caller no longer holds (the executor drops what the body
+    reads last, as the memory plan counts it) dies at its last reader inside the body, not
+    when the body returns (a layer's incoming gradient: one [seq, hidden] value less at the
+    attention backward's peak)."""
+    import weakref
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    body = make_fx(lambda x, w: (torch.sin(x).sum() * w,))(torch.randn(64), torch.randn(4))
+    freed: list[str] = []
+
+    class AtMul(TorchDispatchMode):   # what was freed when the body's last op runs
+        seen = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.mul.Tensor:
+                AtMul.seen = list(freed)
+            return func(*args, **(kwargs or {}))
+
+    runs, _ = lowering.lower({"b": body}, "eager", torch.device("cpu"))
+    args = [torch.randn(64), torch.randn(4)]
+    weakref.finalize(args[0], freed.append, "x")
+    with AtMul():
+        out = runs["b"](args)
+    assert args == [] and out[0].shape == (4,)
+    assert AtMul.seen == ["x"], AtMul.seen
