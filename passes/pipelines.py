@@ -22,6 +22,7 @@ from .layer_subgraphs import layer_subgraphs
 from .memory_plan import memory_plan
 from .offload_checkpoints import offload_checkpoints
 from .recompute_boundaries import recompute_boundaries
+from .rematerialize import rematerialize
 from .retarget_device import retarget_device
 from .routed_experts import routed_experts
 from .schedule import schedule
@@ -39,7 +40,8 @@ JOINT_PASSES = [layer_region_inputs, tag_weights, layer_regions, unshare_weight_
                 selective_recompute]
 # On the forward and on the backward graph after the partition.
 DIRECTION_PASSES = [tag_weights, inline_layer_regions, routed_experts, layer_regions, unshare_weight_views,
-                    split_segments, dedupe_bodies, schedule, offload_checkpoints, data_parallel, memory_plan]
+                    rematerialize, split_segments, dedupe_bodies, schedule, offload_checkpoints, data_parallel,
+                    memory_plan]
 
 
 def all_passes() -> list[GraphPass]:

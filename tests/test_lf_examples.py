@@ -73,7 +73,8 @@ EXPECTED = {
     "extras/qoft/llama3_oft_sft_gptq.yaml": ("refused", "finetuning_type: oft: OFT (orthogonal fine-tuning)"),
 }
 # run only with -m slow (CI time): 16 blocks of 2048 tokens through a 49152-token head take ~90 s here
-SLOW = {"train_lora/qwen3_lora_pretrain.yaml"}
+# (qwen3_lora_sft_ds3 is qwen3_lora_sft plus a `deepspeed:` key, whose note test_lf_config checks)
+SLOW = {"train_lora/qwen3_lora_pretrain.yaml", "train_lora/qwen3_lora_sft_ds3.yaml"}
 OVERRIDES = {"model_name_or_path": "embedded:smollm2", "max_steps": "2", "device": "cpu", "num_layers": "2"}
 
 
