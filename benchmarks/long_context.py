@@ -8,8 +8,8 @@ the measured peak and step of a small model at several lengths.
 
 Plan part, for each model x GPU profile (batch 1, --host-ram of host memory): the sequence is
 doubled from --start until `megatrain plan` no longer fits it; printed are the longest that
-fits, its planned device peak, how the peak grew over the last doubling (peak(2S)/peak(S): 2.0
-is linear in the sequence, 4.0 quadratic), the planned tokens/s and the MFU, with the model
+fits, its planned device peak, how much the peak grew at most over one doubling
+(peak(2S)/peak(S): 2.0 is linear in the sequence, 4.0 quadratic), the planned tokens/s and the MFU, with the model
 FLOPs counted as 6 x parameters x tokens plus causal attention, 6 x layers x seq^2 x heads x
 head_dim per sequence (forward QK^T and AV, halved for causality, times 3 for the backward).
 
@@ -76,13 +76,15 @@ def longest(model: str, gpu: str, start: int, limit: int, host_ram: int) -> dict
     while seq <= limit:
         t = time.perf_counter()
         plan = plan_at(model, gpu, seq, host_ram)
-        print(f"  {model} on {gpu}: seq {seq}: {'fits' if plan else 'does not fit'} "
-              f"({time.perf_counter() - t:.0f} s to plan)", flush=True)
         if plan is None:
+            print(f"  {model} on {gpu}: seq {seq}: does not fit ({time.perf_counter() - t:.0f} s to plan)", flush=True)
             break
         estimate = plan.batches[0]
-        if previous_peak:
-            growth = estimate.device_peak_bytes / previous_peak
+        print(f"  {model} on {gpu}: seq {seq}: fits, {estimate.device_peak_bytes / GIB:.2f} GiB"
+              + (f" ({estimate.device_peak_bytes / previous_peak:.2f}x the last)" if previous_peak else "")
+              + f" ({time.perf_counter() - t:.0f} s to plan)", flush=True)
+        if previous_peak:   # (the largest growth over any doubling: 2.0 is linear in the sequence)
+            growth = max(growth or 0.0, estimate.device_peak_bytes / previous_peak)
         previous_peak = estimate.device_peak_bytes
         params = plan.model.get("parameters") or 0
         flops = step_flops(params, plan.model["layers"], width, seq)   # (the full depth, not the 1-layer build)
