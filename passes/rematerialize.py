@@ -23,6 +23,7 @@ segment (its readers and its chain carry one `mt_rank`). It runs on the backward
 """
 from __future__ import annotations
 
+import bisect
 import operator
 
 import torch
@@ -83,7 +84,10 @@ def _cheap(n: fx.Node) -> bool:
 
 
 class _Order:
-    """Positions and last readers of a graph's values, kept current as chains are copied."""
+    """Positions of a graph's nodes, and per segment (`mt_rank`) the bytes its ops allocate and
+    the last reader of each value in it, kept current as chains are copied. Only what happens
+    inside the segment counts, so identical layers make identical choices (and keep one body)
+    whatever later segments read."""
 
     def __init__(self, graph: fx.Graph):
         nodes = list(graph.nodes)
@@ -93,25 +97,28 @@ class _Order:
             if (_is_view(n) or n.target is operator.getitem and n.args[0] in self.root) \
                     and isinstance(n.args[0], fx.Node):
                 self.root[n] = self.root.get(n.args[0], n.args[0])
-        self.last: dict[fx.Node, float] = {}
+        self.last: dict[tuple, float] = {}   # (value, rank) -> its last reader in that segment
+        self.made: dict[object, tuple[list[float], list[int]]] = {}   # rank -> (positions, prefix bytes)
         for n in nodes:
+            rank = n.meta.get(RANK)
             for a in n.all_input_nodes:
-                r = self.root.get(a, a)
-                self.last[r] = max(self.last.get(r, -1.0), self.pos[n])
-        self.allocated = [0]   # prefix sums of the bytes each op allocates
-        for n in nodes:
-            self.allocated.append(self.allocated[-1] + (0 if _is_view(n) or n.target is operator.getitem
-                                                        or n.op != "call_function" else _bytes(n)))
+                key = (self.root.get(a, a), rank)
+                self.last[key] = max(self.last.get(key, -1.0), self.pos[n])
+            if n.op == "call_function" and not _is_view(n) and n.target is not operator.getitem:
+                positions, prefix = self.made.setdefault(rank, ([], [0]))
+                positions.append(self.pos[n])
+                prefix.append(prefix[-1] + _bytes(n))
 
-    def between(self, a: float, b: float) -> int:
-        """Bytes allocated by the ops strictly between positions a and b (original nodes)."""
-        lo, hi = int(a) + 1, int(b)
-        return self.allocated[hi] - self.allocated[lo] if hi > lo else 0
+    def between(self, a: float, b: float, rank) -> int:
+        """Bytes allocated by the segment's ops strictly between positions a and b."""
+        positions, prefix = self.made.get(rank, ([], [0]))
+        lo, hi = bisect.bisect_right(positions, a), bisect.bisect_left(positions, b)
+        return prefix[hi] - prefix[lo] if hi > lo else 0
 
-    def live_at(self, n: fx.Node, at: float) -> bool:
+    def live_at(self, n: fx.Node, at: float, rank) -> bool:
         if n.op == "placeholder" and WEIGHT_GROUP in n.meta or n.op == "get_attr":
             return True   # (a resident weight of the segment)
-        return self.last.get(self.root.get(n, n), -1.0) >= at
+        return self.last.get((self.root.get(n, n), rank), -1.0) >= at
 
 
 def _readers(v: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
@@ -137,7 +144,7 @@ def _chain(v: fx.Node, order: _Order, at: float, rank) -> list[fx.Node] | None:
     def visit(n: fx.Node) -> bool:
         if n in done:
             return True
-        if n is not v and order.live_at(n, at):
+        if n is not v and order.live_at(n, at, rank):
             done.add(n)
             return True
         entered[0] += 1
@@ -156,7 +163,7 @@ def _late_readers(v: fx.Node, order: _Order) -> list[tuple[fx.Node, fx.Node]] | 
     readers = sorted(_readers(v), key=lambda ra: order.pos[ra[0]])
     if len(readers) < 2 or any(r.op == "output" or r.meta.get(RANK) != v.meta.get(RANK) for r, _ in readers):
         return None
-    gaps = [order.between(order.pos[a], order.pos[b]) for (a, _), (b, _) in zip(readers, readers[1:])]
+    gaps = [order.between(order.pos[a], order.pos[b], v.meta.get(RANK)) for (a, _), (b, _) in zip(readers, readers[1:])]
     split = max(range(len(gaps)), key=gaps.__getitem__)
     if gaps[split] < 2 * _bytes(order.root.get(v, v)):
         return None
@@ -201,7 +208,7 @@ def rematerialize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 alias = base
         # the original now dies at its last early reader; the copies sit just before `first`
         early = [order.pos[r] for r, _ in _readers(v)]
-        order.last[order.root.get(v, v)] = max(early, default=order.pos[v])
+        order.last[order.root.get(v, v), v.meta[RANK]] = max(early, default=order.pos[v])
         for n in env.values():
             order.pos[n] = order.pos[first] - 0.5
         maker = chain[-1].args[0] if chain[-1].target is operator.getitem else chain[-1]
