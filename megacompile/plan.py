@@ -48,8 +48,8 @@ from .passes.schedule import build_steps, choose_lookahead
 from .simulate import busy_seconds, makespan, optimizer_bytes, simulate
 from .tier_plan import (PLACEMENTS, TIER_POOL_BYTES, TIER_READ_AHEAD, min_numel, nvme_lines, nvme_summary,
                         ssd_capacity, ssd_seconds)
-from .passes.tile_mlp import MAX_BUDGET_TILES, TILE_GAIN
 from .plan_capture import Capture, PrefixModel, capture_prefix, layer_kinds
+from .plan_memory import choose_memory, mlp_tiles
 from .vlm import store_parameters
 
 GiB = 2**30
@@ -338,44 +338,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         caps = [capture(b, options, "") for b in (2, 4)]
     m = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
 
-    # layer checkpoints on the host when batch 1 does not fit with them on the device (what the
-    # backend's offload_checkpoints="auto" does under a device budget)
-    checkpoints_on_host = options.get("offload_checkpoints") == "always"
-    if options.get("offload_checkpoints", "auto") == "auto" and m.device_peak(1) > capacity:
-        offloading = {**options, "offload_checkpoints": "always"}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            caps = [capture(b, offloading, ", layer checkpoints on the host") for b in (2, 4)]
-        moved = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
-        if moved.device_peak(1) < m.device_peak(1):
-            m, options, checkpoints_on_host = moved, offloading, True
-
-    # more sequence tiles while batch 1 does not fit (what the backend's search under
-    # device_budget does with mlp_tiles "auto"), then late checkpoint reloads: each candidate is
-    # captured at batch 2 first, and at batch 4 only when it lowers that peak by TILE_GAIN or more
-    # (a capture at 2M tokens takes tens of seconds)
-    def better(opts: dict, why: str) -> PrefixModel | None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            at2 = capture(2, opts, why)
-            if max(d.peak for d in at2.directions.values()) > (1 - TILE_GAIN) * max(
-                    d.peak for d in m.a.directions.values()):
-                return None
-            return PrefixModel(kinds, prefix_len, at2, capture(4, opts, why), hardware)
-
-    if options.get("mlp_tiles", "auto") == "auto" and m.device_peak(1) > capacity:
-        tiles = max(1, _mlp_tiles(config, options, seq))
-        while m.device_peak(1) > capacity and tiles < min(MAX_BUDGET_TILES, seq):
-            tiles *= 2
-            tiled = {**options, "mlp_tiles": tiles}
-            if (more := better(tiled, f", its layers in {tiles} sequence tiles")) is None:
-                break
-            m, options = more, tiled
-    if options.get("reload_checkpoints", "auto") == "auto" and checkpoints_on_host and m.device_peak(1) > capacity:
-        late = {**options, "reload_checkpoints": "late"}
-        if (later := better(late, ", checkpoints reloaded just before their backward")) is not None:
-            later.late_reload = True
-            m, options = later, late
+    m, options, checkpoints_on_host = choose_memory(m, options, capacity, capture, config, seq)
 
     lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
@@ -451,7 +414,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 host_ram=host_ram, device_capacity=capacity, device_weight_bytes=weights_at_peak,
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
                 vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host,
-                mlp_tiles=_mlp_tiles(config, options, seq), late_reload=m.late_reload,
+                mlp_tiles=mlp_tiles(config, options, seq), late_reload=m.late_reload,
                 ssd=ssd.to_dict() if ssd is not None else None,
                 ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum, gpus=gpus)
     _check(plan, m, p1, slope)
@@ -480,17 +443,6 @@ def _check_floor(config, seq: int, dtype: torch.dtype, capacity: int, source) ->
                               f"usable device memory, whatever is tiled or offloaded. Sequences shorter than "
                               f"{longest} tokens have room to be planned: try a shorter --seq, or a device with "
                               "more memory.")
-
-
-def _mlp_tiles(config, options: dict, tokens: int) -> int:
-    """The MLP tile count a run at a sequence of `tokens` gets (passes/tile_mlp.py)."""
-    from .passes.tile_mlp import auto_tiles
-    tiles = options.get("mlp_tiles", "auto")
-    if isinstance(tiles, int):
-        return tiles
-    text = config.get_text_config(decoder=True)
-    hidden, inter = getattr(text, "hidden_size", 0), getattr(text, "intermediate_size", 0)
-    return auto_tiles(tokens, hidden, inter) if hidden and isinstance(inter, int) and inter else 1
 
 
 def _check(plan: Plan, m: PrefixModel, p1: int, slope: int) -> None:
