@@ -249,6 +249,8 @@ def memory_plan(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
     def run_transient(run: fx.Node, consumed) -> int:   # (once per body and consumed inputs)
         name = bodies[run.meta[STEP].segment]
+        if not consumed:
+            return transient[name]
         if (name, consumed) not in with_inputs:
             with_inputs[name, consumed] = body_transient_bytes(gm.get_submodule(name), triton, consumed)
         return with_inputs[name, consumed]

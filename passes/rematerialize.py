@@ -29,8 +29,9 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..ir import GROUP, RANK, WEIGHT_GROUP, dim_hint
+from ..ir import GROUP, RANK, WEIGHT_GROUP
 from . import PassContext, graph_pass
+from .memory_plan import value_bytes
 
 #: at most this many ops are copied for one value (a norm written as torch ops is ~8)
 MAX_CHAIN = 12
@@ -47,19 +48,6 @@ def _name(n: fx.Node) -> str:
 def _is_view(n: fx.Node) -> bool:
     return n.op == "call_function" and (getattr(n.target, "is_view", False)
                                         or n.target is torch.ops.aten._unsafe_view.default)
-
-
-def _bytes(n: fx.Node) -> int:
-    vals = n.meta.get("val")
-    vals = vals if isinstance(vals, (list, tuple)) else [vals]
-    total = 0
-    for v in vals:
-        if isinstance(v, torch.Tensor):
-            numel = 1
-            for d in v.shape:
-                numel *= dim_hint(d)
-            total += numel * v.element_size()
-    return total
 
 
 def _cheap(n: fx.Node) -> bool:
@@ -107,7 +95,7 @@ class _Order:
             if n.op == "call_function" and not _is_view(n) and n.target is not operator.getitem:
                 positions, prefix = self.made.setdefault(rank, ([], [0]))
                 positions.append(self.pos[n])
-                prefix.append(prefix[-1] + _bytes(n))
+                prefix.append(prefix[-1] + value_bytes(n.meta.get("val")))
 
     def between(self, a: float, b: float, rank) -> int:
         """Bytes allocated by the segment's ops strictly between positions a and b."""
@@ -165,7 +153,7 @@ def _late_readers(v: fx.Node, order: _Order) -> list[tuple[fx.Node, fx.Node]] | 
         return None
     gaps = [order.between(order.pos[a], order.pos[b], v.meta.get(RANK)) for (a, _), (b, _) in zip(readers, readers[1:])]
     split = max(range(len(gaps)), key=gaps.__getitem__)
-    if gaps[split] < 2 * _bytes(order.root.get(v, v)):
+    if gaps[split] < 2 * value_bytes(order.root.get(v, v).meta.get("val")):
         return None
     return readers[split + 1:]
 

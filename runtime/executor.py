@@ -81,12 +81,12 @@ class DirectionRunner:
                 self.placeholders.append((n.name, weight))
         weight_names = {name: idx for name, idx in self.placeholders if idx is not None}
         self.bodies, self.body_of = compiled.bodies, compiled.body_of
-        # each run as the program writes it (a pass may have rerouted an input, e.g. through a
-        # checkpoint reload; the run node carries its segment's SEGMENT tag)
-        # the program's nodes as (profiler range, handler, node, values dead after it): one table
-        # of handlers; the values die by the memory plan's own analysis (ir.liveness)
+        # the values die by the memory plan's own analysis (ir.liveness)
         lives = liveness(self.schedule.program)
         position = {n: i for i, n in enumerate(self.schedule.program.graph.nodes)}
+        # each run as the program writes it (a pass may have rerouted an input, e.g. through a
+        # checkpoint reload; the run node carries its segment's SEGMENT tag), and the inputs it
+        # reads last, which it hands to the body
         runs = sorted((n for n in self.schedule.program.graph.nodes if STEP in n.meta and n.meta[STEP].op == "run"),
                       key=lambda n: n.meta[STEP].segment)
         self.calls = [Call(compiled.body(n.meta[STEP].segment), [(a.name, weight_names.get(a.name)) for a in n.args],
@@ -94,10 +94,13 @@ class DirectionRunner:
                            tuple({a.name for a in n.args if a.name not in weight_names}
                                  & set(lives.frees.get(position[n], ()))))
                       for n in runs]
-        # planned intermediates per body (passes/memory_plan.py); 0 when that pass is disabled
+        # planned bytes of each segment's body as it runs (passes/memory_plan.py); 0 when that
+        # pass is disabled
         self.plan = compiled.plan
-        self.transient = compiled.transient
+        self.run_transient = self.plan.run_transient if self.plan is not None else {}
         self.runs = None   # body name -> what runs it (runtime/lowering.py), chosen at the first call
+        # the program's nodes as (profiler range, handler, node, values dead after it): one table
+        # of handlers
         self.offloaded = lives.offloaded
         self.host_names = host_values(self.schedule.program)   # (kept out of env: not device bytes)
         self.ops = []
@@ -282,8 +285,7 @@ class DirectionRunner:
         for name, value in zip(call.outputs, outs):   # (the program's getitems of this call: bound here)
             env[name] = value
         after = self._live(env) + pool.counters.resident_bytes
-        plan = self.plan.run_transient.get(k) if self.plan is not None else None
-        run.peak = max(run.peak, before + (self.transient[self.body_of[k]] if plan is None else plan), after)
+        run.peak = max(run.peak, before + self.run_transient.get(k, 0), after)
 
     def _grad_offload(self, run: _Run, node: fx.Node) -> None:
         k = node.meta[STEP].segment

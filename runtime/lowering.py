@@ -113,7 +113,7 @@ def _time(fn: Callable, inputs: list, device: torch.device, repeat: int = 5) -> 
     return min(times)   # other load only ever adds time
 
 
-def _compile(body: fx.GraphModule, inputs: list) -> Callable:
+def _compile(body: fx.GraphModule, inputs: list, eager: Callable) -> Callable:
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -129,7 +129,7 @@ def _compile(body: fx.GraphModule, inputs: list) -> Callable:
     fake = FakeTensorMode(shape_env=ShapeEnv())
     examples = [fake.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in inputs]
     with tracing(TracingContext(fake)):
-        return CompiledBody(compile_fx_inner(graph, examples), boxed(body), inputs)
+        return CompiledBody(compile_fx_inner(graph, examples), eager, inputs)
 
 
 class CompiledBody:
@@ -137,7 +137,7 @@ class CompiledBody:
     with other sizes or strides than traced would fail Inductor's checks after the list was
     emptied, so they are compared first: the body then runs eagerly from then on."""
 
-    def __init__(self, compiled, body: fx.GraphModule, inputs: list):
+    def __init__(self, compiled, body: Callable, inputs: list):   # (body: the boxed eager form)
         self.compiled, self.body, self.fallbacks = compiled, body, 0
         self.layouts = [_layout(x) for x in inputs]
 
@@ -172,7 +172,7 @@ def lower(bodies: dict[str, fx.GraphModule], mode: str, device: torch.device) ->
             try:
                 inputs = _inputs(body, device)
                 t0 = time.perf_counter()
-                compiled = _compile(body, inputs)
+                compiled = _compile(body, inputs, runs[name])
                 compile_s = time.perf_counter() - t0
                 if mode == "measure":
                     eager_s, inductor_s = _time(runs[name], inputs, device), _time(compiled, inputs, device)
