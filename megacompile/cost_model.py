@@ -60,6 +60,11 @@ def logical_bytes(val) -> int:
     return sum(_numel(v) * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
+def _causal_pairs(n: int, window: int) -> float:
+    """(query, key) pairs the first `n` queries of a causal row attend, within `window` if > 0."""
+    return n * n / 2 if not window or window >= n else n * window - window * window / 2
+
+
 def node_flops(n: fx.Node) -> int:
     """FLOPs of a matmul-like node (0 for anything else)."""
     val = n.meta.get("val")
@@ -83,7 +88,9 @@ def node_flops(n: fx.Node) -> int:
         back = "backward" in name
         q, k, v = (n.args[i + back].meta["val"] for i in range(3))
         s, window = dim_hint(q.shape[-2]), n.args[4 + 3 * back]
-        pairs = s * s / 2 if not window or window >= s else s * window - window * window / 2
+        start = n.args[6 + 3 * back] if len(n.args) > 6 + 3 * back else n.kwargs.get("q_start", 0)
+        start = dim_hint(start) if not isinstance(start, fx.Node) else dim_hint(start.meta["val"])
+        pairs = _causal_pairs(start + s, window) - _causal_pairs(start, window)   # (a query chunk: q_start)
         b_h = math.prod(dim_hint(d) for d in q.shape[:-2])
         return int(2 * b_h * pairs * (dim_hint(q.shape[-1]) + dim_hint(v.shape[-1])) * (2.5 if back else 1.0))
     if "linear_cross_entropy" in name and isinstance(n.args[0], fx.Node):   # the fused LM head + loss (ir_ops)

@@ -238,9 +238,12 @@ def fetch_expert_rows(weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 # segments, padding is -1, a sliding window (`window` > 0) limits each query to the last
 # `window` positions. Returns the output [b, h, s, dv] and the log-sum-exp [b, h, s] the backward
 # needs (fp32; fp64 for fp64 inputs), as flash attention does; a padding query's output is zero.
+# `q_start`: q holds the queries at positions [q_start, q_start + q_len) of each row only (a query
+# chunk: passes/tile_layers.py runs a layer's attention one chunk of queries at a time against the
+# whole K and V); out and lse then cover those queries, dk and dv all of K and V.
 @torch.library.custom_op("megatrain::segment_attention", mutates_args=())
-def segment_attention(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int,
-                      scale: float) -> tuple[Tensor, Tensor]:
+def segment_attention(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float,
+                      q_start: int = 0) -> tuple[Tensor, Tensor]:
     _needs_kernel()
 
 
@@ -250,7 +253,7 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @segment_attention.register_fake
-def _(q, k, v, seg, window, scale):
+def _(q, k, v, seg, window, scale, q_start=0):
     # the output has V's head size (MLA's differs from Q's), laid out [b, s, h, dv] in memory:
     # the attention module's transpose back to [b, s, h, dv] is then free
     b, h, s, _ = q.shape
@@ -260,26 +263,26 @@ def _(q, k, v, seg, window, scale):
 
 @torch.library.custom_op("megatrain::segment_attention_backward", mutates_args=())
 def segment_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor,
-                               window: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                               window: int, scale: float, q_start: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     _needs_kernel()
 
 
 @segment_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, seg, window, scale):   # (each gradient in its input's layout)
+def _(dout, q, k, v, out, lse, seg, window, scale, q_start=0):   # (each gradient in its input's layout)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _seg_setup(ctx, inputs, output):
-    q, k, v, seg, window, scale = inputs
+    q, k, v, seg, window, scale, *start = inputs
     ctx.save_for_backward(q, k, v, seg, *output)
-    ctx.window, ctx.scale = window, scale
+    ctx.window, ctx.scale, ctx.q_start = window, scale, start[0] if start else 0
 
 
 def _seg_backward(ctx, dout, _dlse):
     q, k, v, seg, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.megatrain.segment_attention_backward(dout.contiguous(), q, k, v, out, lse, seg,
-                                                                ctx.window, ctx.scale)
-    return dq, dk, dv, None, None, None
+                                                                ctx.window, ctx.scale, ctx.q_start)
+    return dq, dk, dv, None, None, None, None
 
 
 segment_attention.register_autograd(_seg_backward, setup_context=_seg_setup)

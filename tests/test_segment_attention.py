@@ -81,17 +81,55 @@ def test_segment_attention_over_random_layouts(docs, left, right, window, kv_hea
     check(ids(row), window, kv_heads=kv_heads, seed=seed)
 
 
+def chunked(q, k, v, seg, window, scale, chunks, op=None):
+    """The op over `chunks` query chunks of q (tensor_split's sizes: the first ones one longer),
+    each against the whole K and V (`q_start`), outputs concatenated."""
+    op = op or torch.ops.megatrain.segment_attention
+    s = q.shape[2]
+    sizes = [(s + chunks - 1 - i) // chunks for i in range(chunks)]
+    starts = [sum(sizes[:i]) for i in range(chunks)]
+    outs = [op(part, k, v, seg, window, scale, start) for part, start in zip(q.split(sizes, 2), starts)]
+    return torch.cat([o for o, _ in outs], 2), torch.cat([lse for _, lse in outs], 2), sizes, starts
+
+
+@settings(max_examples=15, deadline=None)
+@given(docs=st.lists(st.integers(1, 9), min_size=1, max_size=4), left=st.integers(0, 3), hole=st.booleans(),
+       window=st.sampled_from([0, 1, 2, 5]), kv_heads=st.sampled_from([1, 2, 4]), chunks=st.integers(1, 6),
+       dv=st.sampled_from([None, 12]), seed=st.integers(0, 9))
+def test_query_chunks_equal_the_whole_attention(docs, left, hole, window, kv_heads, chunks, dv, seed):
+    """A query chunk (`q_start`) attends the whole K and V as its queries do in the whole op:
+    keys before the chunk (run as an unmasked prefix merged by log-sum-exp), the chunk's own
+    causally, windows cutting across chunk borders; dk and dv summed over the chunks."""
+    row = [-1] * left + [n for n, length in enumerate(docs) for _ in range(length)]
+    if hole and len(row) > left + 2:
+        row[left + 1] = -1
+    seg = ids(row)
+    g = torch.Generator().manual_seed(seed)
+    s = seg.shape[1]
+    q, k, v = (torch.randn(1, h, s, size, generator=g, dtype=torch.float64).requires_grad_()
+               for h, size in ((4, 8), (kv_heads, 8), (kv_heads, dv or 8)))
+    w = torch.randn(1, 4, s, dv or 8, generator=g, dtype=torch.float64)
+    out, _, *_ = chunked(q, k, v, seg, window, 0.3, min(chunks, s))
+    ref = dense_reference(q, k, v, seg, window, 0.3)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    for a, e, name in zip(got, want, "qkv"):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10, msg=f"d{name}")
+
+
 def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, window_size_left,
                      window_size_right):
     """torch's varlen flash attention's contract on packed [T, h, d] tokens, in math (the CPU has
-    no flash kernel): causal within each cu_seqlens run, a left window in packed positions,
-    K/V heads shared by groups of query heads; returns (out, lse [h, T], ...)."""
-    out, lse = torch.zeros_like(q), q.new_zeros((q.shape[1], q.shape[0]))
+    no flash kernel): causal within each cu_seqlens run, aligned at the runs' ends where a query
+    run is shorter than its key run, a left window in packed positions, K/V heads shared by
+    groups of query heads; returns (out, lse [h, T], ...)."""
+    out, lse = q.new_zeros(q.shape[:-1] + v.shape[-1:]), q.new_zeros((q.shape[1], q.shape[0]))
     groups = q.shape[1] // k.shape[1]
-    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
-        qs, ks, vs = q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)
+    for a, b, c, d in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist()):
+        qs, ks, vs = q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1)
         ks, vs = ks.repeat_interleave(groups, 0), vs.repeat_interleave(groups, 0)
-        i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None, :]
+        i, j = torch.arange(b - a)[:, None] + (d - c) - (b - a), torch.arange(d - c)[None, :]
         allowed = (j <= i) & ((i - j) <= window_size_left if window_size_left >= 0 else True)
         scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
         out[a:b] = (scores.softmax(-1) @ vs).transpose(0, 1)
@@ -140,6 +178,33 @@ def test_cuda_kernel_packing_on_the_cpu(monkeypatch, seg, window, dv):
         assert a.stride() == e.stride(), name
 
 
+@pytest.mark.parametrize("seg,window", [
+    (ids([0] * 12, [-1, -1, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1]), 0),
+    (ids([-1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]), 3),
+])
+def test_cuda_kernel_packing_of_query_chunks_on_the_cpu(monkeypatch, seg, window):
+    """The CUDA kernel's packing of a query chunk: the chunk's queries against each segment's
+    keys up to its last query (runs of unequal length, causal at their ends), through the math
+    stand-in of torch's varlen flash op: the CPU kernel's chunks, outputs and gradients."""
+    from megacompile.runtime.kernels import segment_attention_cuda as cuda_kernel
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_forward", _varlen_stand_in)
+    monkeypatch.setattr(torch.ops.aten, "_flash_attention_backward", _varlen_backward_stand_in)
+    g = torch.Generator().manual_seed(5)
+    b, s = seg.shape
+    q, k, v = (torch.randn(b, s, h, 8, generator=g, dtype=torch.float64).transpose(1, 2) for h in (4, 2, 2))
+    want_out, want_lse, sizes, starts = chunked(q, k, v, seg, window, 0.3, 3)
+    got_out, got_lse, *_ = chunked(q, k, v, seg, window, 0.3, 3, op=cuda_kernel._flash_forward)
+    torch.testing.assert_close(got_out, want_out)
+    valid = (seg >= 0)[:, None, :].expand_as(got_lse)
+    torch.testing.assert_close(got_lse[valid].double(), want_lse[valid])
+    dout = torch.randn(want_out.shape, generator=g, dtype=torch.float64)
+    for part, n, start in zip(range(3), sizes, starts):
+        args = (dout[:, :, start:start + n], q[:, :, start:start + n], k, v, want_out[:, :, start:start + n],
+                want_lse[:, :, start:start + n], seg, window, 0.3, start)
+        for a, e in zip(cuda_kernel._flash_backward(*args), torch.ops.megatrain.segment_attention_backward(*args)):
+            torch.testing.assert_close(a, e)
+
+
 def test_cuda_fallback_tiles_backward_on_the_cpu():
     """The CUDA fallback's backward (each tile's forward recomputed under autograd through the
     public SDPA), run on the CPU: the CPU kernel's gradients."""
@@ -152,6 +217,13 @@ def test_cuda_fallback_tiles_backward_on_the_cpu():
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     got = tiles_kernel.tiled_backward(dout, q, k, v, out, lse, seg, 2, 0.3, cuda_kernel._tile_backward)
     want = torch.ops.megatrain.segment_attention_backward(dout, q, k, v, out, lse, seg, 2, 0.3)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e)
+    seg = ids([0] * 12)   # (a query chunk whose queries see keys before it: a prefix mask)
+    out, lse = torch.ops.megatrain.segment_attention(q[:, :, 5:], k, v, seg, 0, 0.3, 5)
+    got = tiles_kernel.tiled_backward(dout[:, :, 5:], q[:, :, 5:], k, v, out, lse, seg, 0, 0.3,
+                                      cuda_kernel._tile_backward, 5, merge=False)
+    want = torch.ops.megatrain.segment_attention_backward(dout[:, :, 5:], q[:, :, 5:], k, v, out, lse, seg, 0, 0.3, 5)
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e)
 

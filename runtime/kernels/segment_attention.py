@@ -25,10 +25,10 @@ from torch import Tensor
 
 from ...ir_ops import lse_dtype, segment_attention, segment_attention_backward
 
-Tile = tuple[int, Tensor, Tensor, "Tensor | None"]
+Tile = tuple[int, Tensor, Tensor, "Tensor | None", int]
 
 
-def _tiles(seg: Tensor, window: int) -> list[Tile]:
+def _tiles(seg: Tensor, window: int, start: int, length: int) -> list[Tile]:
     out = []
     for b, row in enumerate(seg.cpu()):
         valid = (row >= 0).nonzero().flatten()
@@ -36,13 +36,17 @@ def _tiles(seg: Tensor, window: int) -> list[Tile]:
             continue
         _, counts = torch.unique_consecutive(row[valid], return_counts=True)
         for toks in valid.split(counts.tolist()):
-            if window <= 0 or int(toks[-1] - toks[0]) < window:
-                out.append((b, toks, toks, None))
+            q = toks[(toks >= start) & (toks < start + length)]
+            if q.numel() == 0:
                 continue
-            for start in range(0, toks.numel(), window):
-                q = toks[start:start + window]
-                k = toks[(toks > q[0] - window) & (toks <= q[-1])]
-                out.append((b, q, k, (k[None, :] <= q[:, None]) & (k[None, :] > q[:, None] - window)))
+            if window <= 0 or int(q[-1] - toks[0]) < window:   # (every query's window reaches the segment's start)
+                before = toks[toks < q[0]]
+                out.append((b, q - start, torch.cat([before, q]), None, before.numel()))
+                continue
+            for i in range(0, q.numel(), window):
+                qb = q[i:i + window]
+                k = toks[(toks > qb[0] - window) & (toks <= qb[-1])]
+                out.append((b, qb - start, k, (k[None, :] <= qb[:, None]) & (k[None, :] > qb[:, None] - window), 0))
     return out
 
 
@@ -58,16 +62,26 @@ def memoized(seg: Tensor, key, build: Callable[[], object]):
     return cache[1][key]
 
 
-def tiles(seg: Tensor, window: int) -> list[Tile]:
-    """(row, query token indices, key token indices, band mask or None) over each segment's
-    valid tokens (host tensors); causal among them; banded query blocks where a window cuts it."""
-    return memoized(seg, ("tiles", window), lambda: _tiles(seg, window))
+def tiles(seg: Tensor, window: int, start: int = 0, length: int | None = None) -> list[Tile]:
+    """(row, query indices within the chunk, key token indices, band mask or None, prefix) over
+    each segment's valid tokens (host tensors) for the queries at positions [start, start +
+    length) of each row (a query chunk; the whole row by default): causal among them, after
+    `prefix` keys every query of the tile sees (the segment's tokens before the chunk); banded
+    query blocks where a window cuts it."""
+    length = seg.shape[1] - start if length is None else length
+    return memoized(seg, ("tiles", window, start, length), lambda: _tiles(seg, window, start, length))
 
 
 def additive(band: Tensor | None, dtype: torch.dtype, device=None) -> Tensor | None:
     if band is None:
         return None
     return torch.zeros(band.shape, dtype=dtype).masked_fill_(~band, float("-inf")).to(device)
+
+
+def prefix_band(n_queries: int, prefix: int) -> Tensor:
+    """The mask of a tile whose queries see `prefix` keys, then each other causally."""
+    causal = torch.ones(n_queries, n_queries, dtype=torch.bool).tril()
+    return torch.cat([torch.ones(n_queries, prefix, dtype=torch.bool), causal], 1)
 
 
 def padded(*tensors: Tensor, size: int) -> list[Tensor]:
@@ -89,32 +103,50 @@ def new_output(q: Tensor, v: Tensor) -> Tensor:
 
 
 # A tile kernel pair: forward(q, k, v, causal, bias, scale) -> (out, lse) on [1, h, n, d] tiles;
-# backward(dout, q, k, v, out, lse, causal, bias, scale) -> (dq, dk, dv).
-def tiled_forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float, forward):
+# backward(dout, q, k, v, out, lse, causal, bias, scale) -> (dq, dk, dv). `merge`: the backward
+# takes any tile's (out, lse) (flash attention's contract), so a tile whose queries see a prefix
+# runs as two calls, the prefix without a mask and the rest causal, their outputs merged by their
+# log-sum-exps (no [queries, keys] mask); otherwise it runs as one call under a prefix mask.
+def tiled_forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float, forward, start: int = 0,
+                  merge: bool = True):
     dv = v.shape[-1]
     out = new_output(q, v)
     lse = torch.zeros(q.shape[:-1], dtype=lse_dtype(q.dtype), device=q.device)
     expand, _ = expander(q, k)
     qp, kp, vp = padded(q, k, v, size=max(q.shape[-1], dv))
-    for b, qi, ki, band in tiles(seg, window):
-        qi, ki = qi.to(q.device), ki.to(q.device)
-        o, lse_tile = forward(qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki]),
-                              band is None, additive(band, q.dtype, q.device), scale)
+    for b, qi, ki, band, prefix in tiles(seg, window, start, q.shape[2]):
+        qi, ki, n = qi.to(q.device), ki.to(q.device), qi.numel()
+        qt, kt, vt = qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki])
+        if prefix and merge:
+            o1, l1 = forward(qt, kt[:, :, :prefix], vt[:, :, :prefix], False, None, scale)
+            o2, l2 = forward(qt, kt[:, :, prefix:], vt[:, :, prefix:], True, None, scale)
+            l1, l2 = l1[..., :n].to(lse.dtype), l2[..., :n].to(lse.dtype)
+            lse_tile = torch.logaddexp(l1, l2)
+            o = (o1 * (l1 - lse_tile).exp().unsqueeze(-1) + o2 * (l2 - lse_tile).exp().unsqueeze(-1)).to(q.dtype)
+        else:
+            band = prefix_band(n, prefix) if prefix else band
+            o, lse_tile = forward(qt, kt, vt, band is None, additive(band, q.dtype, q.device), scale)
         out[b:b + 1, :, qi] = o[..., :dv]
-        lse[b:b + 1, :, qi] = lse_tile[..., :qi.numel()].to(lse.dtype)
+        lse[b:b + 1, :, qi] = lse_tile[..., :n].to(lse.dtype)
     return out, lse
 
 
 def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor,
-                   window: int, scale: float, backward):
+                   window: int, scale: float, backward, start: int = 0, merge: bool = True):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     expand, groups = expander(q, k)
     qp, kp, vp, outp, doutp = padded(q, k, v, out, dout, size=max(q.shape[-1], v.shape[-1]))
-    for b, qi, ki, band in tiles(seg, window):
+    for b, qi, ki, band, prefix in tiles(seg, window, start, q.shape[2]):
         qi, ki = qi.to(q.device), ki.to(q.device)
-        gq, gk, gv = backward(doutp[b:b + 1, :, qi].contiguous(), qp[b:b + 1, :, qi], expand(kp[b:b + 1, :, ki]),
-                              expand(vp[b:b + 1, :, ki]), outp[b:b + 1, :, qi], lse[b:b + 1, :, qi], band is None,
-                              additive(band, q.dtype, q.device), scale)
+        args = (doutp[b:b + 1, :, qi].contiguous(), qp[b:b + 1, :, qi])
+        kt, vt, ot, lt = expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki]), outp[b:b + 1, :, qi], lse[b:b + 1, :, qi]
+        if prefix and merge:
+            g1 = backward(*args, kt[:, :, :prefix], vt[:, :, :prefix], ot, lt, False, None, scale)
+            g2 = backward(*args, kt[:, :, prefix:], vt[:, :, prefix:], ot, lt, True, None, scale)
+            gq, gk, gv = g1[0] + g2[0], torch.cat([g1[1], g2[1]], 2), torch.cat([g1[2], g2[2]], 2)
+        else:
+            band = prefix_band(qi.numel(), prefix) if prefix else band
+            gq, gk, gv = backward(*args, kt, vt, ot, lt, band is None, additive(band, q.dtype, q.device), scale)
         gq, gk, gv = gq[..., :q.shape[-1]], gk[..., :k.shape[-1]], gv[..., :v.shape[-1]]
         if groups > 1:   # (the expanded K/V's gradients summed back per K/V head)
             gk = gk.unflatten(1, (k.shape[1], groups)).sum(2)
@@ -136,11 +168,11 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, bias, scale):
 
 
 @segment_attention.register_kernel("cpu")
-def _forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float):
-    return tiled_forward(q, k, v, seg, window, scale, _cpu_forward)
+def _forward(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float, q_start: int = 0):
+    return tiled_forward(q, k, v, seg, window, scale, _cpu_forward, q_start)
 
 
 @segment_attention_backward.register_kernel("cpu")
 def _backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Tensor, window: int,
-              scale: float):
-    return tiled_backward(dout, q, k, v, out, lse, seg, window, scale, _cpu_backward)
+              scale: float, q_start: int = 0):
+    return tiled_backward(dout, q, k, v, out, lse, seg, window, scale, _cpu_backward, q_start)
