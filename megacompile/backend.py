@@ -105,6 +105,11 @@ class Program:
         """The sequence tiles of each tiled region, as passes/tile_mlp.py recorded them ([]: none)."""
         return next((r[2] for r in self.pass_records.get("dynamo", []) if r[:2] == ("tile_mlp", "tiled")), [])
 
+    @property
+    def attention_chunks(self) -> list[int]:
+        """The query chunks of each chunked attention, as passes/tile_attention.py recorded them."""
+        return next((r[2] for r in self.pass_records.get("dynamo", []) if r[:2] == ("tile_attention", "chunked")), [])
+
     def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
         """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
         if self.topo.enabled:

@@ -290,6 +290,7 @@ def inspect_model(source: str, *, layers: int | None = None, batch: int = 1, seq
         "overlap_optimizer": overlap_optimizer,
         "nvme": ({"profile": ssd.name, "placement": placement, "bytes_per_step": tiered} if ssd is not None else None),
         "mlp_tiles": program.tile_counts,
+        "attention_chunks": program.attention_chunks,
         "inspect_seconds": time.perf_counter() - t_start,
     }
 
@@ -375,7 +376,9 @@ def to_text(report: dict, show: str) -> str:
                  f"{m['dtype']}; batch {report['batch']} x seq {report['seq']}; slots {report['slots']}; "
                  f"hardware {report['hardware']['name']}; distinct layer bodies {m['distinct_layer_bodies']}"
                  + (f"; layer tails (MLP, norms, output projection) in {max(report['mlp_tiles'])} sequence tiles"
-                    if report.get("mlp_tiles") else ""))
+                    if report.get("mlp_tiles") else "")
+                 + (f"; attention (input norm, q/k/v, attention) in {max(report['attention_chunks'])} query chunks"
+                    if report.get("attention_chunks") else ""))
     for direction, d in report["directions"].items():
         lines.append(f"\n== {direction}")
         if show == "graphs":

@@ -239,7 +239,7 @@ def fetch_expert_rows(weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 # `window` positions. Returns the output [b, h, s, dv] and the log-sum-exp [b, h, s] the backward
 # needs (fp32; fp64 for fp64 inputs), as flash attention does; a padding query's output is zero.
 # `q_start`: q holds the queries at positions [q_start, q_start + q_len) of each row only (a query
-# chunk: passes/tile_layers.py runs a layer's attention one chunk of queries at a time against the
+# chunk: passes/tile_attention.py runs a layer's attention one chunk of queries at a time against the
 # whole K and V); out and lse then cover those queries, dk and dv all of K and V.
 @torch.library.custom_op("megatrain::segment_attention", mutates_args=())
 def segment_attention(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, window: int, scale: float,

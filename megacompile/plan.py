@@ -213,6 +213,7 @@ class Plan:
     vision_bytes: int = 0              # device bytes of the VLM's vision side (outside the store)
     checkpoints_on_host: bool = False  # layer checkpoints offloaded (offload_checkpoints)
     mlp_tiles: int = 1                 # sequence tiles of each MLP (tile_mlp)
+    attention_chunks: int = 0          # query chunks of each chunked attention (tile_attention; 0: none)
     late_reload: bool = False          # checkpoints reloaded just before their backward (reload_checkpoints)
     ssd: dict | None = None            # the SSD profile of the NVMe state tier (None: no tier asked)
     ssd_capacity: int = 0              # bytes the tier may use on it (0: not known, not checked)
@@ -243,6 +244,7 @@ class Plan:
              "device_weight_bytes": self.device_weight_bytes, "max_batch": self.max_batch,
              "vision": self.vision, "vision_bytes": self.vision_bytes,
              "checkpoints_on_host": self.checkpoints_on_host, "mlp_tiles": self.mlp_tiles,
+             "attention_chunks": self.attention_chunks,
              "late_reload": self.late_reload,
              "accum": self.accum, "gpus": self.gpus, "shm_bytes": self.shm_bytes, "nvme": nvme_summary(self),
              "fits": self.fits, "problems": self.problems, "host_measured": self.host_measured or None,
@@ -415,6 +417,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 batches=batches, max_batch=fit, best=best, requested_batch=batch,
                 vision=vision if vlm else None, vision_bytes=vision_bytes, checkpoints_on_host=checkpoints_on_host,
                 mlp_tiles=mlp_tiles(config, options, seq), late_reload=m.late_reload,
+                attention_chunks=max(m.b.attention_chunks, default=0),
                 ssd=ssd.to_dict() if ssd is not None else None,
                 ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum, gpus=gpus)
     _check(plan, m, p1, slope)
@@ -517,7 +520,9 @@ def to_text(plan: Plan) -> str:
                 "per step at the best batch, beside the total (offload_checkpoints: they wait in pinned host "
                 "memory between the forward and the backward)"] if plan.checkpoints_on_host else []),
              *([f"long sequence: each layer's MLP, norms, output projection and residuals run in {plan.mlp_tiles} "
-                "sequence tiles (mlp_tiles)"]
+                "sequence tiles (mlp_tiles)" + (f"; its input norm, q/k/v projections and attention in "
+                                                f"{plan.attention_chunks} query chunks against the whole K and V"
+                                                if plan.attention_chunks else "")]
                if plan.mlp_tiles > 1 else []),
              *(["each layer checkpoint comes back just before its layer's backward, not a segment ahead "
                 "(reload_checkpoints: late; one [seq, hidden] value less on the device, its copy not overlapped)"]

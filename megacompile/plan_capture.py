@@ -49,6 +49,7 @@ class DirectionCosts:
 class Capture:
     batch: int
     directions: dict[str, DirectionCosts]
+    attention_chunks: list[int] = field(default_factory=list)   # query chunks per chunked attention
 
 
 def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
@@ -78,7 +79,7 @@ def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype,
                                         done.plan.peak_bytes if done.plan else 0,
                                         done.plan.host_checkpoint_bytes if done.plan else 0,
                                         bodies, done.schedule.lookahead)
-    return Capture(batch, out)
+    return Capture(batch, out, program.attention_chunks)
 
 
 def body_costs(bodies: list, hw: Hardware) -> list[float]:

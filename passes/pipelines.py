@@ -29,12 +29,14 @@ from .schedule import schedule
 from .selective_recompute import selective_recompute
 from .split_segments import split_segments
 from .tag_weights import tag_weights
+from .tile_attention import tile_attention
 from .tile_mlp import tile_mlp
 from .unshare_weight_views import unshare_weight_views
 
 # These run on the Dynamo graph itself (torch-level ops, before AOTAutograd); the last three cut
 # each decoder layer out into one call of its layer kind's subgraph (traced once per kind).
-DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, retarget_device, tag_weights, layer_regions, layer_subgraphs]
+DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, tile_attention, retarget_device, tag_weights, layer_regions,
+                 layer_subgraphs]
 # On the joint forward + backward graph, before the partitioner.
 JOINT_PASSES = [layer_region_inputs, tag_weights, layer_regions, unshare_weight_views, recompute_boundaries,
                 selective_recompute]

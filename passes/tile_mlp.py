@@ -242,7 +242,7 @@ def _intermediate(members: list[fx.Node]) -> int:
     return max(widths, default=1)
 
 
-def _tile_sizes(graph: fx.Graph, x: fx.Node, dim: int, tiles: int) -> list:
+def tile_sizes(graph: fx.Graph, x: fx.Node, dim: int, tiles: int) -> list:
     """tensor_split's tile lengths of `x` along `dim`: (n + tiles - 1 - i) // tiles (Hermite's
     identity: they sum to n); graph nodes where the length is symbolic."""
     n = x.meta["example_value"].shape[dim]
@@ -258,7 +258,7 @@ def _tile(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node], y: 
     dim = inputs[0].meta["example_value"].dim() - 2   # (the sequence: 1 of [b, s, h], 0 of [tokens, h])
     with graph.inserting_before(y.next):   # (after everything the region reads: see _grow)
         parts = {}
-        sizes = _tile_sizes(graph, inputs[0], dim, tiles)   # (every input has the region's tokens)
+        sizes = tile_sizes(graph, inputs[0], dim, tiles)   # (every input has the region's tokens)
         for x in inputs:
             split = graph.call_function(torch.split, (x, sizes), {"dim": dim})
             parts[x] = [graph.call_function(operator.getitem, (split, i)) for i in range(tiles)]

@@ -1,6 +1,7 @@
-"""MLP sequence tiling (passes/tile_mlp.py): each gated MLP runs tile by tile over the sequence,
-the same losses and gradients within fp32 tolerances, and its [tokens, intermediate] values exist
-one tile at a time in the forward and the backward."""
+"""Sequence tiling of each layer (passes/tile_mlp.py, passes/tile_attention.py): each gated MLP
+and the token-wise tail around it run tile by tile over the sequence, the attention per chunk of
+queries, with the same losses and gradients within fp32 tolerances; the [tokens, intermediate]
+and [tokens, hidden] values exist one tile at a time in the forward and the backward."""
 from __future__ import annotations
 
 import copy
@@ -29,27 +30,35 @@ def _run(model, tiles, ids, mask, labels):
     return loss, [p.grad for p in model.parameters()], tiled, program
 
 
-def _same_step(base, tiles, ids, mask, labels):
+def _same_step(base, tiles, ids, mask, labels, chunks=None):
+    """The tiled step's tile counts, after checking it trains as the whole one does (and, with
+    `chunks`, that its attentions ran in those query chunks: passes/tile_attention.py)."""
     whole = _run(copy.deepcopy(base), 1, ids, mask, labels)
     tiled = _run(copy.deepcopy(base), tiles, ids, mask, labels)
     torch.testing.assert_close(tiled[0], whole[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(tiled[1], whole[1]):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
-    assert whole[2] == []
+    assert whole[2] == [] and whole[3].attention_chunks == []
+    if chunks is not None:
+        assert tiled[3].attention_chunks == chunks
     return tiled[2]
 
 
-@pytest.mark.parametrize("family,mlps", [
-    ("llama", 2), ("phi3", 2),             # gate/up, fused gate_up (a last-dim chunk)
-    ("gemma3_text", 3),                    # GELU (tanh), three layers of two kinds
-    ("qwen3_next", 4),                     # an MoE's shared expert ([tokens, h]), hybrid linear attention
-    ("nemotron_h", 2),                     # relu^2, the MLP layers of a hybrid stack
+@pytest.mark.parametrize("family,mlps,attentions", [
+    ("llama", 2, 2), ("phi3", 2, 2),       # gate/up, fused gate_up (a last-dim chunk); fused qkv_proj
+    ("gemma3_text", 3, 3),                 # GELU (tanh), three layers of two kinds (sliding windows)
+    ("qwen3_next", 4, 2),                  # an MoE's shared expert ([tokens, h]), hybrid linear attention,
+                                           # a gated attention output (its gate computed with q)
+    ("nemotron_h", 2, 1),                  # relu^2, the MLP layers of a hybrid stack
+    ("qwen3_moe", 0, 2),                   # routed experts: no tail tiles, the chunks' outputs concatenated
+    ("glm4", 2, 2),                        # interleaved RoPE (stack + flatten), partial rotary
 ])
-def test_tiled_mlp_trains_like_the_whole_one(family, mlps):
+def test_tiled_layers_train_like_the_whole_ones(family, mlps, attentions):
+    """Tail tiles and attention query chunks (fp32, within 1e-5 of the whole step)."""
     base = tiny_family_model(family)
     ids, mask, labels = batch(2, 16, seed=0, pad_left=2)
-    assert _same_step(base, 3, ids, mask, labels) == [3] * mlps
+    assert _same_step(base, 3, ids, mask, labels, chunks=[3] * attentions) == [3] * mlps
 
 
 @settings(max_examples=4, deadline=None)
@@ -59,7 +68,7 @@ def test_tile_counts_and_lengths(tiles, seq, pad):
     tiles than tokens (capped at the sequence length)."""
     base = tiny_family_model("llama")
     ids, mask, labels = batch(2, seq, seed=seq, pad_left=min(pad, seq - 1))
-    assert _same_step(base, tiles, ids, mask, labels) == [min(tiles, seq)] * 2
+    assert _same_step(base, tiles, ids, mask, labels, chunks=[min(tiles, seq)] * 2) == [min(tiles, seq)] * 2
 
 
 def test_tiles_lower_the_layer_transients():

@@ -139,7 +139,8 @@ def tiled_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     for b, qi, ki, band, prefix in tiles(seg, window, start, q.shape[2]):
         qi, ki = qi.to(q.device), ki.to(q.device)
         args = (doutp[b:b + 1, :, qi].contiguous(), qp[b:b + 1, :, qi])
-        kt, vt, ot, lt = expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki]), outp[b:b + 1, :, qi], lse[b:b + 1, :, qi]
+        kt, vt = expand(kp[b:b + 1, :, ki]), expand(vp[b:b + 1, :, ki])
+        ot, lt = outp[b:b + 1, :, qi], lse[b:b + 1, :, qi]
         if prefix and merge:
             g1 = backward(*args, kt[:, :, :prefix], vt[:, :, :prefix], ot, lt, False, None, scale)
             g2 = backward(*args, kt[:, :, prefix:], vt[:, :, prefix:], ot, lt, True, None, scale)
