@@ -42,6 +42,22 @@ def weight_only_nodes(gm: fx.GraphModule, within: set[fx.Node] | None = None) ->
     return out
 
 
+def module_path(n: fx.Node) -> str | None:
+    """The innermost module whose call computed `n` (Dynamo's `nn_module_stack`), or None."""
+    stack = n.meta.get("nn_module_stack")
+    return list(stack.values())[-1][0] if stack else None
+
+
+def in_module(n: fx.Node, path: str) -> bool:
+    """`n` was computed inside the module at `path` (or one of its children)."""
+    return any(p == path or p.startswith(path + ".") for p, _ in (n.meta.get("nn_module_stack") or {}).values())
+
+
+def is_megatrain_op(n: fx.Node, name: str) -> bool:
+    """`n` calls our custom op `megatrain::<name>` (fused_kernels' rms_norm, swiglu, ...)."""
+    return n.op == "call_function" and f"megatrain.{name}" in str(n.target)
+
+
 @dataclass
 class PassContext:
     """What passes may read besides the graph. Passes never mutate it, except `records`."""

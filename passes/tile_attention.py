@@ -45,7 +45,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..ir import dim_hint
-from . import PassContext, graph_pass, log
+from . import PassContext, graph_pass, is_megatrain_op, log, module_path
 from .tile_mlp import auto_tiles, tile_sizes
 
 _ELEMENTWISE_FUNCTIONS = {
@@ -71,10 +71,6 @@ def _norm(dim: int, nd: int) -> int:
 def _is_attention(n: fx.Node) -> bool:
     name = str(n.target)
     return n.op == "call_function" and "megatrain.segment_attention" in name and "backward" not in name
-
-
-def _is_op(n: fx.Node, name: str) -> bool:
-    return n.op == "call_function" and f"megatrain.{name}" in str(n.target)
 
 
 class _Dims:
@@ -136,7 +132,7 @@ class _Dims:
         if x not in self.of or d is None:
             return False
         others = [a for a in n.all_input_nodes if a is not x]
-        if fn in (F.linear, torch._C._nn.linear) or _is_op(n, "rms_norm"):
+        if fn in (F.linear, torch._C._nn.linear) or is_megatrain_op(n, "rms_norm"):
             return d < nd - 1 and all(self.read_whole(a) for a in others) and self._set(n, d)
         if fn is F.rms_norm or fn is F.layer_norm:
             return d < nd - len(n.args[1]) and all(self.read_whole(a) for a in others) and self._set(n, d)
@@ -436,14 +432,9 @@ def tile_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _module_path(n: fx.Node) -> str | None:
-    stack = n.meta.get("nn_module_stack")
-    return list(stack.values())[-1][0] if stack else None
-
-
 def _layer_nodes(gm: fx.GraphModule, attentions: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
     """Each attention's decoder layer (its module's parent) -> that layer's nodes."""
-    layer_of = {a: p.rsplit(".", 1)[0] for a in attentions if (p := _module_path(a)) and "." in p}
+    layer_of = {a: p.rsplit(".", 1)[0] for a in attentions if (p := module_path(a)) and "." in p}
     members: dict[str, set[fx.Node]] = {p: set() for p in layer_of.values()}
     for n in gm.graph.nodes:
         for path, _ in (n.meta.get("nn_module_stack") or {}).values():

@@ -48,7 +48,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import dim_hint
-from . import PassContext, graph_pass
+from . import PassContext, graph_pass, in_module, is_megatrain_op
 
 #: ops that act on each token alone (elementwise, matmul against weights, last-dim splits)
 _TOKENWISE = {
@@ -68,13 +68,6 @@ MAX_BUDGET_TILES = 256
 TILE_GAIN = 0.02
 
 
-def _module_path(node: fx.Node, depth: int) -> str | None:
-    stack = node.meta.get("nn_module_stack")
-    if not stack or len(stack) <= depth:
-        return None
-    return list(stack.values())[depth][0]
-
-
 def _last_dim_split(n: fx.Node) -> bool:
     """chunk/split along the last dimension only (Phi-3's gate_up)."""
     dim = n.kwargs.get("dim", n.args[2] if len(n.args) > 2 else 0)
@@ -91,10 +84,6 @@ def _last_dim_mean(n: fx.Node) -> bool:
     return keep is True and isinstance(val, torch.Tensor) and len(dims) == 1 and dims[0] in (-1, val.dim() - 1)
 
 
-def _is_op(n: fx.Node, name: str) -> bool:
-    return getattr(n.target, "__name__", "") == name or f"megatrain.{name}" in str(n.target)
-
-
 def _tokenwise(n: fx.Node) -> bool:
     if n.op == "call_method":
         if n.target == "mean":
@@ -105,7 +94,7 @@ def _tokenwise(n: fx.Node) -> bool:
             return _last_dim_mean(n)
         if n.target is operator.getitem:
             return isinstance(n.args[1], int)   # (an element of a split's result)
-        if _is_op(n, "swiglu") or _is_op(n, "rms_norm"):   # (fused_kernels' ops: per token)
+        if is_megatrain_op(n, "swiglu") or is_megatrain_op(n, "rms_norm"):   # (fused_kernels' ops: per token)
             return True
         return n.target in _TOKENWISE
     return False
@@ -173,24 +162,23 @@ def _token_shaped(v, tokens: tuple) -> bool:
 
 
 def _shared(v, tokens: tuple) -> bool:
-    """A value every token reads whole (a norm's weight, a scale): each tile reads it as it is."""
+    """A value every token reads whole (a norm's weight, a scale): each tile reads it as it is. A
+    split's tuple of token-shaped parts is not (Falcon-H1's mamba gate: `gate = split(..)[1]`)."""
+    if isinstance(v, (list, tuple)):
+        return all(_shared(x, tokens) for x in v)
     return not isinstance(v, torch.Tensor) or all(dim_hint(d) == 1 for d in v.shape[:-1]) and v.dim() <= len(tokens) + 1
-
-
-def _in_layer(n: fx.Node, layer: str) -> bool:
-    return any(p == layer or p.startswith(layer + ".") for p, _ in (n.meta.get("nn_module_stack") or {}).values())
 
 
 def _joinable(n: fx.Node, region: set, tokens: tuple, layer: str, constant: set) -> bool:
     """`n` may join the region: a token-wise op of the same decoder layer, one row per token in
     and out, whose other inputs are token-shaped activations, constants or shared."""
-    if _is_op(n, "rms_norm"):   # (fused_kernels' norm returns a tuple: its first input is the activation)
+    if is_megatrain_op(n, "rms_norm"):   # (fused_kernels' norm returns a tuple: its first input is the activation)
         shaped = isinstance(x := n.args[0], fx.Node) and (x in region or _token_shaped(x.meta.get("example_value"),
                                                                                      tokens))
     else:
         shaped = _token_shaped(n.meta.get("example_value"), tokens)
     if not (n.op in ("call_function", "call_method") and _tokenwise(n) and shaped and n not in constant
-            and _in_layer(n, layer)):
+            and in_module(n, layer)):
         return False
     return all(a in region or a in constant or _token_shaped(v := a.meta.get("example_value"), tokens)
                or _shared(v, tokens) for a in n.all_input_nodes)
