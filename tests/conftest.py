@@ -174,3 +174,21 @@ class Fp32MasterReference:
 
     def zero_grad(self):
         pass
+
+
+
+@pytest.hookimpl(tryfirst=True)   # (before -m deselects by the marker added here)
+def pytest_collection_modifyitems(config, items):
+    """tests/ci_budget.py: the tests kept out of CI for time are marked slow. An entry naming no
+    collected test of a file collected whole fails the run, so the list cannot rot."""
+    from ci_budget import SLOW_IN_CI
+    by_id = {item.nodeid.removeprefix("tests/"): item for item in items}
+    for t in SLOW_IN_CI:
+        if t in by_id:
+            by_id[t].add_marker(pytest.mark.slow)
+    if any("::" in a for a in config.args):   # (a run of chosen tests: files are not collected whole)
+        return
+    files = {nodeid.split("::")[0] for nodeid in by_id}
+    stale = [t for t in SLOW_IN_CI if t not in by_id and t.split("::")[0] in files]
+    if stale:
+        raise pytest.UsageError(f"tests/ci_budget.py names tests that do not exist: {stale}")
