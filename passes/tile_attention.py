@@ -277,45 +277,47 @@ class Head:
         self.phase1, self.phase2, self.chain, self.dims = phase1, phase2, chain, dims
 
 
-def find_head(gm: fx.GraphModule, attn: fx.Node, h0: fx.Node, dim: int, order: dict) -> tuple[Head | None, str]:
+def find_head(gm: fx.GraphModule, attn: fx.Node, h0: fx.Node, dim: int,
+              order: dict) -> tuple[Head | None, str, fx.Node | None]:
     """The chunkable attention that makes `attn` (the attention block's [b, s, h'] output, before
-    the output projection) from the layer input `h0` (sequence at `dim`), or (None, why not)."""
+    the output projection) from the layer input `h0` (sequence at `dim`), or (None, why not, the
+    head's value that another branch of the layer reads too, if that is why)."""
     a = attn
     while not _is_attention(a):
         if not a.all_input_nodes:
-            return None, "no attention on its first inputs"
+            return None, "no attention on its first inputs", None
         a = a.all_input_nodes[0]
     if len(a.args) > 6 and a.args[6] != 0:
-        return None, "already a chunk"
+        return None, "already a chunk", None
     q, k, v = a.args[:3]
     chain = _between(a, [attn], order)
     # (the chain may read values the head computes besides q: Qwen3-Next's output gate)
     reads = [i for c in chain for i in c.all_input_nodes if i not in chain and i is not a]
     head = _between(h0, [q, k, v, *reads], order)
     if not {q, k, v} <= set(head):
-        return None, f"q, k and v are not all computed from {h0.name}"
+        return None, f"q, k and v are not all computed from {h0.name}", None
     inside = set(head) | set(chain) | {a}
     escaping = next((n for n in head + chain[:-1] + [a] if any(u not in inside for u in n.users)), None)
     if escaping is not None:
         readers = [u.name for u in escaping.users if u not in inside]
-        return None, f"{escaping.name} is read outside the attention (by {readers})"
+        return None, f"{escaping.name} is read outside the attention (by {readers})", escaping
     dims = _Dims(dim_hint(_val(h0).shape[dim]))
     dims.of[h0] = dim
     for n in head:
         if not dims.follow(n):
-            return None, f"{n.name} ({n.target}) is not sequence-local"
+            return None, f"{n.name} ({n.target}) is not sequence-local", None
     if not (dims.of.get(q) == dims.of.get(k) == dims.of.get(v) == 2 and _val(q).dim() == 4):
-        return None, "q, k and v are not [b, heads, s, d]"
+        return None, "q, k and v are not [b, heads, s, d]", None
     dims.of[a] = 2
     for n in chain:
         if not dims.follow(n):
-            return None, f"{n.name} ({n.target}) is not sequence-local"
+            return None, f"{n.name} ({n.target}) is not sequence-local", None
     if dims.of[attn] != dim:
-        return None, f"{attn.name} does not keep the sequence at dimension {dim}"
+        return None, f"{attn.name} does not keep the sequence at dimension {dim}", None
     inside = set(head)
     phase1 = [n for n in head if n in _closure_up([k, v], h0)]
     phase2 = [n for n in head if n in _closure_up([q] + [i for i in reads if i in inside], h0)]
-    return Head(a, q, k, v, phase1, phase2, chain, attn, h0, dims), ""
+    return Head(a, q, k, v, phase1, phase2, chain, attn, h0, dims), "", None
 
 
 def _copy(graph: fx.Graph, nodes: list[fx.Node], env: dict, dims: _Dims, length) -> None:
@@ -460,11 +462,17 @@ def _head_of(gm: fx.GraphModule, a: fx.Node, layer: set[fx.Node]) -> Head | None
     rows = tuple(_val(attn).shape[:2])
     outside = {x for n in layer for x in n.all_input_nodes if x not in layer}
     why = "it reads no [b, s, h] value from outside its layer"
-    for h0 in sorted(outside, key=order.__getitem__, reverse=True):
-        v = _val(h0)
-        if v is not None and v.dim() == 3 and tuple(v.shape[:2]) == rows and not isinstance(v, torch.nn.Parameter):
-            head, why = find_head(gm, attn, h0, 1, order)
-            if head is not None:
-                return head
+    starts = [h0 for h0 in sorted(outside, key=order.__getitem__, reverse=True)
+              if (v := _val(h0)) is not None and v.dim() == 3 and tuple(v.shape[:2]) == rows
+              and not isinstance(v, torch.nn.Parameter)]
+    while starts:
+        head, why, shared = find_head(gm, attn, starts.pop(0), 1, order)
+        if head is not None:
+            return head
+        # a head value another branch reads too (Falcon-H1's normed input, read by its mamba
+        # mixer as well): the chunks start from it, and it stays whole for the other reader
+        if shared is not None and shared in layer and (v := _val(shared)) is not None and v.dim() == 3 \
+                and tuple(v.shape[:2]) == rows:
+            starts.insert(0, shared)
     log.debug("tile_attention: %s keeps its whole attention: %s", a.name, why)
     return None

@@ -53,7 +53,8 @@ def _same_step(base, tiles, ids, mask, labels, chunks=None):
     ("nemotron_h", 2, 1),                  # relu^2, the MLP layers of a hybrid stack
     ("qwen3_moe", 0, 2),                   # routed experts: no tail tiles, the chunks' outputs concatenated
     ("glm4", 2, 2),                        # interleaved RoPE (stack + flatten), partial rotary
-    ("falcon_h1", 3, 0),                   # attention beside mamba, whose gate (a split's part) is split per tile
+    ("falcon_h1", 3, 3),                   # attention beside mamba: its mamba gate (a split's part) split per
+                                           # tile; the chunks start at the normed input both mixers read
 ])
 def test_tiled_layers_train_like_the_whole_ones(family, mlps, attentions):
     """Tail tiles and attention query chunks (fp32, within 1e-5 of the whole step)."""
