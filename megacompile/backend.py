@@ -100,15 +100,19 @@ class Program:
         self._step: dict[str, Any] = {}
         self.last_run = 0.0
 
+    def _dynamo_record(self, name: str, kind: str) -> list[int]:
+        """What the Dynamo-graph pass `name` recorded as `kind` ([]: nothing)."""
+        return next((r[2] for r in self.pass_records.get("dynamo", []) if r[:2] == (name, kind)), [])
+
     @property
     def tile_counts(self) -> list[int]:
         """The sequence tiles of each tiled region, as passes/tile_mlp.py recorded them ([]: none)."""
-        return next((r[2] for r in self.pass_records.get("dynamo", []) if r[:2] == ("tile_mlp", "tiled")), [])
+        return self._dynamo_record("tile_mlp", "tiled")
 
     @property
     def attention_chunks(self) -> list[int]:
         """The query chunks of each chunked attention, as passes/tile_attention.py recorded them."""
-        return next((r[2] for r in self.pass_records.get("dynamo", []) if r[:2] == ("tile_attention", "chunked")), [])
+        return self._dynamo_record("tile_attention", "chunked")
 
     def rebind(self, params: dict[int, torch.nn.Parameter]) -> dict:
         """Point the weight entries at other parameters (same shapes) that this graph now runs with."""
