@@ -4,6 +4,7 @@
     python benchmarks/compile_time.py --layers 2 8
     python benchmarks/compile_time.py --layers 8 --lowering inductor --cold-warm
     python benchmarks/compile_time.py --phases --layers 2 64 128   # where the first step's time goes
+    python benchmarks/compile_time.py --phases --dynamo-regions always   # Dynamo traces each layer kind once
 
 For each depth: the seconds of the first forward + backward through
 torch.compile(backend="megatrain") on the CPU (Dynamo capture, AOTAutograd, the passes, the
@@ -52,7 +53,7 @@ class _Timed:
         setattr(self.module, self.name, self.fn)
 
 
-def phases(layers: int, lowering: str = "eager") -> dict[str, float]:
+def phases(layers: int, lowering: str = "eager", dynamo_regions: str = "never") -> dict[str, float]:
     """The first step's seconds by phase: Dynamo's own tracing, AOTAutograd's metadata pass and
     joint trace, torch's min-cut partition, megatrain's pass pipelines (joint + forward +
     backward), the rest of the compile (AOT's wrappers, the store, the program), and the step."""
@@ -61,7 +62,8 @@ def phases(layers: int, lowering: str = "eager") -> dict[str, float]:
     from torch._dynamo.utils import compilation_time_metrics
     compilation_time_metrics.clear()
     model = tiny_model("llama", layers=layers)
-    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": lowering})
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": lowering,
+                                                                "dynamo_regions": dynamo_regions})
     ids, mask, labels = batch(2, 16)
     with _Timed(backend, "run_pipeline") as passes, _Timed(backend, "min_cut_rematerialization_partition") as cut:
         t0 = time.perf_counter()
@@ -78,8 +80,8 @@ def phases(layers: int, lowering: str = "eager") -> dict[str, float]:
     return out
 
 
-def first_step(layers: int, lowering: str = "eager") -> tuple[float, float]:
-    p = phases(layers, lowering)
+def first_step(layers: int, lowering: str = "eager", dynamo_regions: str = "never") -> tuple[float, float]:
+    p = phases(layers, lowering, dynamo_regions)
     return p["total"], p["dynamo"]
 
 
@@ -105,13 +107,16 @@ def main() -> None:
     ap.add_argument("--lowering", default="eager", choices=["eager", "inductor"])
     ap.add_argument("--cold-warm", action="store_true", help="first step cold, then warm from Inductor's disk cache")
     ap.add_argument("--phases", action="store_true", help="the first step's seconds by phase, per depth")
+    ap.add_argument("--dynamo-regions", default="never", choices=["never", "always", "auto"],
+                    help="Dynamo traces each decoder-layer kind once (option dynamo_regions; default never here, "
+                         "to show the whole trace)")
     ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.phases:
         names = None
         for n in args.layers:
-            runs = [phases(n, args.lowering) for _ in range(args.repeat)]
+            runs = [phases(n, args.lowering, args.dynamo_regions) for _ in range(args.repeat)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             if names is None:
                 names = list(med)
@@ -125,7 +130,7 @@ def main() -> None:
         if args.cold_warm:
             cold_warm(n, args.lowering)
             continue
-        runs = [first_step(n, args.lowering) for _ in range(args.repeat)]
+        runs = [first_step(n, args.lowering, args.dynamo_regions) for _ in range(args.repeat)]
         print(f"{n:>6} {statistics.median(r[0] for r in runs):>13.2f} {statistics.median(r[1] for r in runs):>9.2f}",
               flush=True)
 

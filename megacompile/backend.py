@@ -30,11 +30,12 @@ from torch._functorch.aot_autograd import aot_module_simplified
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
-from . import compile_start, distributed
+from . import compile_start, distributed, dynamo_regions
 from .capture import ModelCapture, capture_inputs, compiled_model_in_stack
 from .compile_progress import CLOCK
 from .options import Options
-from .ir import CHECKPOINTS, GROUP, LAYER_REGIONS, MEMORY_PLAN, Compiled, LayerRegions, compiled
+from .ir import (CHECKPOINTS, DYNAMO_REGIONS, GROUP, LAYER_REGIONS, MEMORY_PLAN, Compiled, DynamoRegions, LayerRegions,
+                 compiled)
 from .passes import PassContext, run_pipeline
 from .passes.memory_plan import check_budget
 from .errors import CannotFitError, MegatrainError
@@ -95,6 +96,7 @@ class Program:
         self.hardware = options.hardware_profile()
         self.pass_records: dict[str, list] = {}
         self.layer_regions: LayerRegions | None = None   # what AOTAutograd traced once per layer kind
+        self.dynamo_regions: DynamoRegions | None = None   # what Dynamo traced once per layer kind
         self.lowering_records: dict[str, dict] = {}   # direction -> body -> eager | inductor, and why
         self.last_stats: dict[str, Any] = {}
         self._step: dict[str, Any] = {}
@@ -338,6 +340,7 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
                      "drops it); prepared now (%s), traced again", type(root).__name__, changed)
             compile_start.retrace(f"megatrain prepared the model: {changed}")
     capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})})
+    _check_dynamo_regions(capture, gm)
     CLOCK.stage(f"traced at {{at}}: {capture.num_layers} decoder layers; AOTAutograd differentiates and "
                 "partitions the step")
     if runtime:
@@ -346,6 +349,26 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     compiled = _compile_within_budget(program, gm, example_inputs)
     _PROGRAMS.setdefault(capture.root, []).append(program)
     return compiled
+
+
+def _check_dynamo_regions(capture: ModelCapture, gm: fx.GraphModule) -> None:
+    """Where Dynamo traced each layer kind once (dynamo_regions.py): a trace that read an attribute
+    the kind key leaves out (`layer_idx`, different in every layer) cannot be reused for the
+    other layers of its kind; the model is traced again whole."""
+    if not gm.graph.find_nodes(op="call_function", target=invoke_subgraph):
+        return
+    context = torch._guards.TracingContext.try_get()
+    names = [g.name for g in context.guards_context.dynamo_guards] if context is not None else []
+    read = dynamo_regions.read_per_layer_attributes(names, capture.layer_prefix)
+    if read:
+        _trace_whole(capture, f"the layer's trace reads {read[0]}, which differs between layers of one kind")
+
+
+def _trace_whole(capture: ModelCapture, why: str) -> None:
+    root = capture.root
+    dynamo_regions.uninstall(root, root.get_submodule(capture.layer_prefix), why)
+    _log.info("megatrain: Dynamo traces %s again without layer regions: %s", type(root).__name__, why)
+    compile_start.retrace(f"megatrain: {why}")
 
 
 def _compile_within_budget(program: Program, gm: fx.GraphModule, example_inputs):
@@ -438,6 +461,12 @@ def _compile_graph(program: Program, gm: fx.GraphModule, example_inputs):
     # copy stays the source).
     ctx = program.context("dynamo")
     gm = run_pipeline(gm, DYNAMO_PASSES, ctx)
+    program.dynamo_regions = gm.meta.get(DYNAMO_REGIONS)
+    if program.dynamo_regions is not None and program.dynamo_regions.retrace:
+        _trace_whole(program.capture, program.dynamo_regions.retrace)
+    if program.dynamo_regions is not None and program.dynamo_regions.calls:
+        _log.info("megatrain: Dynamo traced %d layer kinds once each for %d decoder layers",
+                  program.dynamo_regions.kinds, program.dynamo_regions.calls)
     program.pass_records["dynamo"] = ctx.records
     program.layer_regions = gm.meta.get(LAYER_REGIONS)
     _log_regions(program.layer_regions)

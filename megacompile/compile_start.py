@@ -45,8 +45,9 @@ import weakref
 import torch
 from torch._dynamo.exc import TensorifyScalarRestartAnalysis
 
-from . import attention, output_hooks
-from .capture import current_tx, outermost_compiled_module
+from . import attention, dynamo_regions, output_hooks
+from .capture import current_tx, find_layer_stack, outermost_compiled_module
+from .errors import UnsupportedModelError
 from .compile_progress import CLOCK
 from .runtime.store import assign_grad
 
@@ -66,19 +67,30 @@ def _megatrain_wrapper(compiled):
     return None
 
 
-def _attention_option(wrapper) -> str:
+def _option(wrapper, name: str, default):
+    """A compile option as given (a wrong value is refused by the backend, which checks them all)."""
     options = (getattr(wrapper, "kwargs", None) or {}).get("options") or {}
-    value = options.get("attention", "segments") if isinstance(options, dict) else "segments"
-    return value if isinstance(value, str) else "segments"   # (a wrong value is refused by the backend)
+    value = options.get(name, default) if isinstance(options, dict) else default
+    return value if isinstance(value, type(default)) else default
 
 
-def prepare(model: torch.nn.Module, attention_choice: str = "segments") -> None:
-    """Make `model` ready to be traced by megatrain: hooks, and the attention implementation."""
+def prepare(model: torch.nn.Module, attention_choice: str = "segments", regions: str = "auto") -> None:
+    """Make `model` ready to be traced by megatrain: hooks, the attention implementation, and
+    each decoder layer's forward as a compile region of its kind (dynamo_regions.py; `regions`:
+    the option dynamo_regions)."""
     output_hooks.install_requested_hooks(model)
     if attention_choice == "segments":
         why = attention.select(model)
         if why:
             log.info("megatrain: %s keeps transformers' attention (%s)", type(model).__name__, why)
+    try:
+        _prefix, layers = find_layer_stack(model)
+    except UnsupportedModelError:   # (the backend refuses it, with this error)
+        return
+    if not dynamo_regions.wanted(regions, len(layers)):
+        dynamo_regions.uninstall(model, layers)
+    elif (why := dynamo_regions.install(model, layers)) is not None:
+        log.info("megatrain: Dynamo traces every decoder layer of %s (%s)", type(model).__name__, why)
 
 
 class Retrace(TensorifyScalarRestartAnalysis):
@@ -166,7 +178,8 @@ def _on_compile_start(_args) -> None:
     wrapper = _megatrain_wrapper(compiled) if compiled is not None else None
     if wrapper is not None:
         CLOCK.start(type(compiled._orig_mod).__name__)
-        prepare(compiled._orig_mod, _attention_option(wrapper))
+        prepare(compiled._orig_mod, _option(wrapper, "attention", "segments"),
+                _option(wrapper, "dynamo_regions", "auto"))
         if _LIFTED.lift(compiled._orig_mod):
             log.debug("megatrain: fp32 gradients lifted off low-precision parameters while Dynamo traces")
 

@@ -203,8 +203,10 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
     from . import compile_start
     compile_start.register()   # (reset drops Dynamo's callbacks; a later real compile needs this one)
     # what the compile-start callback does for a real compile (this backend is not "megatrain",
-    # which it looks for): the output hooks the config asks for, and the attention a run selects
-    compile_start.prepare(model, (options or {}).get("attention", "segments"))
+    # which it looks for): the output hooks the config asks for, the attention a run selects, and
+    # the layers' compile regions
+    options = options or {}
+    compile_start.prepare(model, options.get("attention", "segments"), options.get("dynamo_regions", "auto"))
     compiled = torch.compile(model, backend=capture)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     compiled(input_ids=ids, labels=ids, use_cache=False, **text_positions(model, batch, seq))

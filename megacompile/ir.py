@@ -67,6 +67,8 @@ SCHEDULE = _key("mt_schedule", "graph", "direction graph -> Schedule (when weigh
 MEMORY_PLAN = _key("mt_memory_plan", "graph", "direction graph -> MemoryPlan (device bytes at every step)")
 LAYER_REGIONS = _key("mt_layer_regions", "graph", "Dynamo graph -> LayerRegions: the decoder layers that run as one "
                      "invoke_subgraph call per layer, one subgraph per layer kind, and the layers left flat (why)")
+DYNAMO_REGIONS = _key("mt_dynamo_regions", "graph", "Dynamo graph -> DynamoRegions: the layer calls Dynamo traced once "
+                      "per kind and inline_dynamo_regions put back in line, or why they could not be")
 CHECKPOINTS = _key("mt_checkpoints", "graph", "forward graph -> output positions of the layer checkpoints to keep "
                    "on the host; backward graph -> their placeholder positions (set when the joint graph is "
                    "partitioned)")
@@ -88,6 +90,14 @@ class LayerRegions:
     kinds: dict[str, list[int]] = field(default_factory=dict)   # subgraph attribute -> its layers' groups
     flat: dict[int, str] = field(default_factory=dict)          # group -> why it stayed flat
     off: str = ""                                               # why no layer became a region
+
+
+@dataclass
+class DynamoRegions:
+    """What passes/inline_dynamo_regions.py did to a Dynamo graph (graph key DYNAMO_REGIONS)."""
+    calls: int = 0        # layer calls put back in line
+    kinds: int = 0        # subgraphs Dynamo traced (one per layer kind)
+    retrace: str = ""     # why the model is traced again whole (a call that cannot reuse its kind's subgraph)
 
 
 # the schedule ----------------------------------------------------------------------------

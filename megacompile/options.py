@@ -58,6 +58,7 @@ _CHOICES = {
     "kernels": {"auto": "Triton kernels on CUDA", "triton": None, "none": None},
     "logits": {"keep": "return the logits", "drop": "fused LM head + loss, logits=None in the output"},
     "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
+    "dynamo_regions": {"auto": "when the decoder has 8 layers or more", "always": None, "never": None},
     "offload_checkpoints": {"auto": "when the step does not fit device_budget with them on the device",
                             "always": None, "never": None},
     "reload_checkpoints": {"auto": "ahead, unless the step does not fit device_budget otherwise",
@@ -274,6 +275,12 @@ class Options:
     #: random ops, recompute: selective) the whole graph is traced, and the log says why; False
     #: always traces the whole graph.
     layer_regions: bool = True
+    #: Dynamo traces each decoder-layer kind once (megacompile/dynamo_regions.py): each layer's
+    #: forward becomes a compile region keyed by its kind, and passes/inline_dynamo_regions.py puts
+    #: the calls back in line, so the passes see the whole-depth graph. Where a layer's trace reads
+    #: what differs between layers of one kind, the model is traced again whole (logged). "auto":
+    #: for a decoder of 8 layers or more (below that the regions cost about what they save).
+    dynamo_regions: str = "auto"
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
     #: Print each pass's before/after op counts.
@@ -317,6 +324,10 @@ class Options:
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"option device={self.device!r}: no CUDA device is available here; use device='cpu'.")
+        if self.dynamo_regions != "never" and "inline_dynamo_regions" in self.disable_passes:
+            raise ConfigError(f"option dynamo_regions={self.dynamo_regions!r} needs pass 'inline_dynamo_regions' (it "
+                              "puts the layer calls Dynamo traced once per kind back in line): set "
+                              "dynamo_regions='never', or enable the pass.")
 
     def hardware_profile(self):
         """The Hardware the cost model uses: the `hardware` option's profile; without it, on CUDA

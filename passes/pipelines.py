@@ -16,6 +16,7 @@ from .data_parallel import data_parallel
 from .dedupe_bodies import dedupe_bodies
 from .fused_kernels import fused_kernels
 from .fused_lm_loss import fused_lm_loss
+from .inline_dynamo_regions import inline_dynamo_regions
 from .inline_layer_regions import inline_layer_regions, layer_region_inputs
 from .layer_regions import layer_regions
 from .layer_subgraphs import layer_subgraphs
@@ -33,10 +34,11 @@ from .tile_attention import tile_attention
 from .tile_mlp import tile_mlp
 from .unshare_weight_views import unshare_weight_views
 
-# These run on the Dynamo graph itself (torch-level ops, before AOTAutograd); the last three cut
+# These run on the Dynamo graph itself (torch-level ops, before AOTAutograd): the first puts the
+# layer calls Dynamo traced once per kind back in line (option dynamo_regions), the last three cut
 # each decoder layer out into one call of its layer kind's subgraph (traced once per kind).
-DYNAMO_PASSES = [fused_kernels, fused_lm_loss, tile_mlp, tile_attention, retarget_device, tag_weights, layer_regions,
-                 layer_subgraphs]
+DYNAMO_PASSES = [inline_dynamo_regions, fused_kernels, fused_lm_loss, tile_mlp, tile_attention, retarget_device,
+                 tag_weights, layer_regions, layer_subgraphs]
 # On the joint forward + backward graph, before the partitioner.
 JOINT_PASSES = [layer_region_inputs, tag_weights, layer_regions, unshare_weight_views, recompute_boundaries,
                 selective_recompute]
