@@ -25,6 +25,7 @@ import torch.fx as fx
 # the metadata keys (the interface between passes, and with the runtime) live in ir.py
 from ..errors import ContractError  # noqa: F401 (re-exported)
 from ..ir import FLAT_INDEX, GROUP, KEYS, RANK, WEIGHT_GROUP  # noqa: F401 (re-exported)
+from .fx_args import plain_arg_walk
 
 log = logging.getLogger("megatrain.passes")
 
@@ -203,6 +204,11 @@ def run_pipeline(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassContext) 
     """Run passes in order (the pipeline checked first: check_pipeline); skipped passes are
     recorded, not silent; each pass's `writes` are verified after it."""
     check_pipeline(passes, ctx.disabled, available=_keys_present(gm))
+    with plain_arg_walk():   # (fx_args.py: torch's own walk is most of a node copy)
+        return _run(gm, passes, ctx)
+
+
+def _run(gm: fx.GraphModule, passes: list[GraphPass], ctx: PassContext) -> fx.GraphModule:
     for p in passes:
         if p.name in ctx.disabled:
             ctx.records.append((p.name, "disabled", None))

@@ -168,3 +168,45 @@ def test_random_stacks_give_the_whole_trace_program_and_numbers(spec, seed):
     for (name, p), q in zip(model.named_parameters(), whole_model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     assert named_layout(regional) == named_layout(whole)
+
+
+def test_a_compile_leaves_the_garbage_collector_as_it_was():
+    """The collector is paused while megatrain compiles (compile_start.GcPause) and on again after;
+    a user who turned it off keeps it off."""
+    import gc
+    model = tiny_model(layers=2)
+    ids, mask, labels = batch(2, 8)
+    assert gc.isenabled()
+    _compiled(model)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    assert gc.isenabled()
+    torch._dynamo.reset()
+    gc.disable()
+    try:
+        _compiled(model)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_the_passes_walk_new_nodes_arguments_as_torch_does():
+    """passes/fx_args.py: the same leaves as pytree for the containers FX arguments hold, and a raw
+    SymInt still warns."""
+    import warnings
+
+    import torch.fx as fx
+    import torch.utils._pytree as pytree
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.immutable_collections import immutable_dict, immutable_list
+
+    from megacompile.passes.fx_args import _leaves, plain_arg_walk
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    tree = ((x, [1, (2.0, None)], immutable_list([x, "a"])), immutable_dict({"k": (x, slice(1, 2))}))
+    assert sorted(map(repr, _leaves(tree))) == sorted(map(repr, pytree.tree_iter(tree)))
+    symbolic = ShapeEnv().create_unbacked_symint()
+    with plain_arg_walk(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graph.call_function(torch.add, (x, [symbolic]))
+    assert any("Raw SymInt" in str(w.message) for w in caught)
+    import torch.fx.graph as fx_graph
+    assert fx_graph.pytree is pytree   # (restored)
