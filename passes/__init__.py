@@ -17,13 +17,14 @@ import functools
 import hashlib
 import inspect
 import logging
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.fx as fx
 
 # the metadata keys (the interface between passes, and with the runtime) live in ir.py
-from ..errors import ContractError  # noqa: F401 (re-exported)
+from ..errors import ContractError, InternalError  # noqa: F401 (ContractError re-exported)
 from ..ir import FLAT_INDEX, GROUP, KEYS, RANK, WEIGHT_GROUP  # noqa: F401 (re-exported)
 from .fx_args import plain_arg_walk
 
@@ -52,6 +53,34 @@ def module_path(n: fx.Node) -> str | None:
 def in_module(n: fx.Node, path: str) -> bool:
     """`n` was computed inside the module at `path` (or one of its children)."""
     return any(p == path or p.startswith(path + ".") for p, _ in (n.meta.get("nn_module_stack") or {}).values())
+
+
+def inline_call(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule,
+                retag: Callable[[fx.Node, fx.Node], None]) -> dict[fx.Node, Any]:
+    """Replace `call` (an `invoke_subgraph` of `body`, read through `getitem`s) with a copy of
+    `body`'s nodes in its place; `retag(original, copy)` writes each copy's metadata. Returns the
+    map from body nodes to what replaced them (the operands for its placeholders).
+
+        r = invoke_subgraph(body, "id", h, w); y = r[0]   ==>   t = mm(h, w); y = relu(t)
+    """
+    env: dict[fx.Node, Any] = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:], strict=True))
+    results = None
+    with gm.graph.inserting_before(call):
+        for n in body.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                results = fx.map_arg(n.args[0], lambda x: env[x])
+                continue
+            env[n] = gm.graph.node_copy(n, lambda x: env[x])
+            retag(n, env[n])
+    for user in list(call.users):
+        if user.target is not operator.getitem:
+            raise InternalError(f"subgraph call {call.name} is read whole by {user.name}")
+        user.replace_all_uses_with(results[user.args[1]])
+        gm.graph.erase_node(user)
+    gm.graph.erase_node(call)
+    return env
 
 
 def is_megatrain_op(n: fx.Node, name: str) -> bool:

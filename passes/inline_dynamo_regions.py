@@ -26,7 +26,7 @@ import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
 from ..ir import DYNAMO_REGIONS, DynamoRegions
-from . import PassContext, graph_pass
+from . import PassContext, graph_pass, inline_call
 
 _SELF = ".forward.__self__"   # (a forward wrapped on the instance: Dynamo reaches the layer through it)
 
@@ -103,31 +103,16 @@ def _strip_self(gm: fx.GraphModule) -> None:
 
 
 def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, first: str) -> None:
-    env: dict[fx.Node, object] = dict(zip((n for n in body.graph.nodes if n.op == "placeholder"), call.args[2:]))
     outer_fn = list(call.meta.get("source_fn_stack") or [])[:-1]
-    result = None
-    with gm.graph.inserting_before(call):
-        for n in body.graph.nodes:
-            if n.op == "placeholder":
-                continue
-            if n.op == "output":
-                result = fx.map_arg(n.args[0], lambda x: env[x])
-                continue
-            new = gm.graph.node_copy(n, lambda x: env[x])
-            new.meta = dict(n.meta)
-            new.meta["nn_module_stack"] = _stack(n.meta.get("nn_module_stack"), call, first)
-            fn_stack = list(n.meta.get("source_fn_stack") or [])
-            if fn_stack and fn_stack[0][1] is invoke_subgraph:
-                fn_stack = fn_stack[1:]
-            new.meta["source_fn_stack"] = outer_fn + fn_stack
-            env[n] = new
-    for user in list(call.users):
-        if user.op == "call_function" and user.target is operator.getitem:
-            user.replace_all_uses_with(result[user.args[1]])
-            gm.graph.erase_node(user)
-        else:   # (Dynamo reads a call's outputs by index; anything else is not ours to rewrite)
-            raise AssertionError(f"{call.name} is read by {user.format_node()}")
-    gm.graph.erase_node(call)
+
+    def retag(n: fx.Node, new: fx.Node) -> None:
+        new.meta = dict(n.meta)
+        new.meta["nn_module_stack"] = _stack(n.meta.get("nn_module_stack"), call, first)
+        fn_stack = list(n.meta.get("source_fn_stack") or [])
+        if fn_stack and fn_stack[0][1] is invoke_subgraph:
+            fn_stack = fn_stack[1:]
+        new.meta["source_fn_stack"] = outer_fn + fn_stack
+    env = inline_call(gm, call, body, retag)
     for value in reversed([v for v in env.values() if isinstance(v, fx.Node)]):
         if _unread(value):
             gm.graph.erase_node(value)

@@ -22,7 +22,7 @@ from torch._higher_order_ops.invoke_subgraph import invoke_subgraph
 
 from ..errors import InternalError
 from ..ir import LAYER_SENTINEL, WEIGHT_GROUP, lazy_graph_module
-from . import PassContext, graph_pass
+from . import PassContext, graph_pass, inline_call
 from .layer_regions import call_group
 from .layer_subgraphs import layer_fqn
 
@@ -52,29 +52,16 @@ def inline_layer_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule
         return gm
     attrs = set()
     for call in calls:
-        attr, _identifier, *operands = call.args
+        attr = call.args[0]
         sub = getattr(gm, attr.target)
         attrs.add(attr)
         layer = _layer_of(call, ctx.module_groups)
-        env: dict[fx.Node, object] = dict(zip(sub.graph.find_nodes(op="placeholder"), operands, strict=True))
-        results = None
-        with gm.graph.inserting_before(call):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    results = [env[v] if isinstance(v, fx.Node) else v for v in n.args[0]]
-                    continue
-                copy = env[n] = gm.graph.node_copy(n, lambda x: env[x])
-                for key in _STACK_KEYS:
-                    if key in copy.meta:
-                        copy.meta[key] = _own_stack(copy.meta[key], layer)
-        for user in list(call.users):
-            if user.target is not operator.getitem:
-                raise InternalError(f"layer subgraph call {call.name} is read whole by {user.name}")
-            user.replace_all_uses_with(results[user.args[1]])
-            gm.graph.erase_node(user)
-        gm.graph.erase_node(call)
+
+        def retag(_original: fx.Node, copy: fx.Node, layer=layer) -> None:
+            for key in _STACK_KEYS:
+                if key in copy.meta:
+                    copy.meta[key] = _own_stack(copy.meta[key], layer)
+        inline_call(gm, call, sub, retag)
     for attr in attrs:
         target = attr.target
         gm.graph.erase_node(attr)
