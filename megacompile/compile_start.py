@@ -75,7 +75,15 @@ def _option(wrapper, name: str, default):
     return value if isinstance(value, type(default)) else default
 
 
-def prepare(model: torch.nn.Module, attention_choice: str = "segments", regions: str = "auto") -> None:
+def _disabled(wrapper) -> tuple:
+    """The compile's disable_passes as given (a name or a list of names)."""
+    options = (getattr(wrapper, "kwargs", None) or {}).get("options") or {}
+    value = options.get("disable_passes", ()) if isinstance(options, dict) else ()
+    return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else ()
+
+
+def prepare(model: torch.nn.Module, attention_choice: str = "segments", regions: str = "auto",
+            disabled: tuple = ()) -> None:
     """Make `model` ready to be traced by megatrain: hooks, the attention implementation, and
     each decoder layer's forward as a compile region of its kind (dynamo_regions.py; `regions`:
     the option dynamo_regions)."""
@@ -88,7 +96,7 @@ def prepare(model: torch.nn.Module, attention_choice: str = "segments", regions:
         _prefix, layers = find_layer_stack(model)
     except UnsupportedModelError:   # (the backend refuses it, with this error)
         return
-    if not dynamo_regions.wanted(regions, len(layers)):
+    if not dynamo_regions.wanted(regions, len(layers), disabled):
         dynamo_regions.uninstall(model, layers)
     elif (why := dynamo_regions.install(model, layers)) is not None:
         log.info("megatrain: Dynamo traces every decoder layer of %s (%s)", type(model).__name__, why)
@@ -204,7 +212,7 @@ def _on_compile_start(_args) -> None:
         _GC.pause()
         CLOCK.start(type(compiled._orig_mod).__name__)
         prepare(compiled._orig_mod, _option(wrapper, "attention", "segments"),
-                _option(wrapper, "dynamo_regions", "auto"))
+                _option(wrapper, "dynamo_regions", "auto"), _disabled(wrapper))
         if _LIFTED.lift(compiled._orig_mod):
             log.debug("megatrain: fp32 gradients lifted off low-precision parameters while Dynamo traces")
 

@@ -105,9 +105,13 @@ def _digest(layer: nn.Module) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:15]
 
 
-def wanted(option: str, num_layers: int) -> bool:
-    """Whether option dynamo_regions (auto/always/never) forms regions for `num_layers` layers."""
-    return option == "always" or (option == "auto" and num_layers >= AUTO_MIN_LAYERS)
+def wanted(option: str, num_layers: int, disabled=()) -> bool:
+    """Whether option dynamo_regions (auto/always/never) forms regions for `num_layers` layers,
+    with the passes `disabled` (`auto` forms none without inline_dynamo_regions; `always` with it
+    disabled is refused by the options' check)."""
+    if option == "always":
+        return True
+    return option == "auto" and num_layers >= AUTO_MIN_LAYERS and "inline_dynamo_regions" not in disabled
 
 
 def _wrapped(layer: nn.Module) -> bool:

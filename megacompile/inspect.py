@@ -206,7 +206,8 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
     # which it looks for): the output hooks the config asks for, the attention a run selects, and
     # the layers' compile regions
     options = options or {}
-    compile_start.prepare(model, options.get("attention", "segments"), options.get("dynamo_regions", "auto"))
+    compile_start.prepare(model, options.get("attention", "segments"), options.get("dynamo_regions", "auto"),
+                          tuple(options.get("disable_passes", ())))
     compiled = torch.compile(model, backend=capture)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     compiled(input_ids=ids, labels=ids, use_cache=False, **text_positions(model, batch, seq))

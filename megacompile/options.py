@@ -279,7 +279,8 @@ class Options:
     #: forward becomes a compile region keyed by its kind, and passes/inline_dynamo_regions.py puts
     #: the calls back in line, so the passes see the whole-depth graph. Where a layer's trace reads
     #: what differs between layers of one kind, the model is traced again whole (logged). "auto":
-    #: for a decoder of 8 layers or more (below that the regions cost about what they save).
+    #: for a decoder of 8 layers or more (below that the regions cost about what they save), and
+    #: never with pass inline_dynamo_regions disabled.
     dynamo_regions: str = "auto"
     #: Graph passes to skip, by name (for bisecting a numerical or scheduling problem).
     disable_passes: tuple[str, ...] = ()
@@ -324,10 +325,10 @@ class Options:
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"option device={self.device!r}: no CUDA device is available here; use device='cpu'.")
-        if self.dynamo_regions != "never" and "inline_dynamo_regions" in self.disable_passes:
-            raise ConfigError(f"option dynamo_regions={self.dynamo_regions!r} needs pass 'inline_dynamo_regions' (it "
-                              "puts the layer calls Dynamo traced once per kind back in line): set "
-                              "dynamo_regions='never', or enable the pass.")
+        if self.dynamo_regions == "always" and "inline_dynamo_regions" in self.disable_passes:
+            raise ConfigError("option dynamo_regions='always' needs pass 'inline_dynamo_regions' (it puts the layer "
+                              "calls Dynamo traced once per kind back in line): set dynamo_regions='auto' or "
+                              "'never', or enable the pass.")
 
     def hardware_profile(self):
         """The Hardware the cost model uses: the `hardware` option's profile; without it, on CUDA

@@ -137,9 +137,10 @@ def test_the_kind_key_tells_layer_kinds_apart():
 def test_dynamo_regions_need_their_inline_pass():
     with pytest.raises(ConfigError, match="dynamo_regions='always' needs pass 'inline_dynamo_regions'"):
         Options.from_mapping({"dynamo_regions": "always", "disable_passes": ["inline_dynamo_regions"]})
-    with pytest.raises(ConfigError, match="dynamo_regions='auto' needs"):
-        Options.from_mapping({"disable_passes": ["inline_dynamo_regions"]})
-    Options.from_mapping({"dynamo_regions": "never", "disable_passes": ["inline_dynamo_regions"]})
+    for value in ("auto", "never"):   # (auto forms no regions without the pass)
+        Options.from_mapping({"dynamo_regions": value, "disable_passes": ["inline_dynamo_regions"]})
+    assert not dynamo_regions.wanted("auto", 80, ("inline_dynamo_regions",))
+    assert dynamo_regions.wanted("auto", 80) and not dynamo_regions.wanted("auto", 4)
 
 
 def test_a_call_with_a_kv_cache_traces_its_layers_in_line():
