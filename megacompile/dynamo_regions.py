@@ -53,6 +53,10 @@ _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_
 #: trace slower with them)
 AUTO_MIN_LAYERS = 8
 
+#: the most layer kinds one model may have (torch's default of 8 refuses e.g. a 12-layer stack whose
+#: layers all differ)
+_MAX_KINDS = 1 << 16
+
 #: models whose regions were found unsound: traced whole from then on (weakly held)
 _OFF: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
 
@@ -190,7 +194,10 @@ def _region(forward, key: int):
             like = next(o for o in out if isinstance(o, torch.Tensor))
             return tuple(_none_mark(like) if o is None else o for o in out)
         return out
-    region = torch.compiler.nested_compile_region(tensors_only, reuse_hash_fn=_reuse_key(key))
+    # (torch counts the kinds of all layers against one limit, as they share this code: 8 by
+    # default, an error beyond it; every layer may be a kind of its own)
+    region = torch.compiler.nested_compile_region(tensors_only, reuse_hash_fn=_reuse_key(key),
+                                                  max_reuse_entries=_MAX_KINDS)
 
     def layer_forward(self, *args, **kwargs):
         flat = _flatten(args, kwargs)   # (decided while Dynamo traces: the structure is static)

@@ -211,3 +211,14 @@ def test_the_passes_walk_new_nodes_arguments_as_torch_does():
     assert any("Raw SymInt" in str(w.message) for w in caught)
     import torch.fx.graph as fx_graph
     assert fx_graph.pytree is pytree   # (restored)
+
+
+def test_a_stack_of_more_kinds_than_torch_s_default_limit_compiles(clone):
+    """Every layer a kind of its own (torch allows 8 reuse entries per region function by
+    default, and all layers share one function's code): the step runs and equals eager."""
+    model = tiny_model(layers=10)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.scaling = layer.self_attn.scaling * (1 + i / 10)
+    assert len({dynamo_regions.kind_key(layer) for layer in model.model.layers}) == 10
+    ref = clone(model)
+    assert_step_matches_eager(model, ref, _compiled(model))
