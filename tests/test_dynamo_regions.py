@@ -222,3 +222,25 @@ def test_a_stack_of_more_kinds_than_torch_s_default_limit_compiles(clone):
     assert len({dynamo_regions.kind_key(layer) for layer in model.model.layers}) == 10
     ref = clone(model)
     assert_step_matches_eager(model, ref, _compiled(model))
+
+
+def test_lora_layers_with_dynamo_regions_train_like_eager(clone):
+    """peft's LoRA wrappers inside the layers (frozen base, trained adapters) through regions."""
+    from peft import LoraConfig, get_peft_model
+    model = get_peft_model(tiny_model(layers=4), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                            target_modules=["q_proj", "v_proj", "down_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    ref = clone(model)
+    ids, mask, labels = batch(2, 8)
+    loss = _compiled(model)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    record = programs_of(model)[-1].dynamo_regions
+    assert record.calls >= 3 and not record.retrace, record
