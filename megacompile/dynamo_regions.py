@@ -17,10 +17,11 @@ refuses transformers' layers: the hub-kernel wrapper writes a global around atte
 holds everything a layer's trace can read that differs between layers: its class and every
 submodule's class, each parameter's and buffer's shape, dtype and requires_grad, and every plain
 attribute (sliding or full attention, NoPE, layer type, MoE or dense). Two things it cannot see
-are checked after the trace, and the frame is traced again without regions when either fails
-(`Unsound`): an attribute it leaves out (`layer_idx`, which differs in every layer) read by the
-trace (a guard on it), and a call whose tensor inputs differ from the ones its subgraph was
-traced with (the pass compares them).
+are checked after the trace, and the frame is traced again without regions when either fails:
+an attribute it leaves out (`layer_idx`, which differs in every layer) read by the trace (a
+guard on it), and a call whose tensor inputs differ in shape or stride from the ones its
+subgraph was traced with (the pass compares them; whether an input needs a gradient, its dtype
+and rank are part of the call's reuse key).
 
 The wrappers stay on the model's layers (Dynamo's guards check them; removing them would make
 every later call recompile). Outside torch.compile `nested_compile_region` calls the forward
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import types
 import weakref
 
@@ -83,13 +85,15 @@ def _value(value, depth: int = 0) -> str:
     return f"{type(value).__qualname__}@{id(value)}"   # (a config: one object every layer shares)
 
 
-def kind_key(layer: nn.Module) -> int:
+def kind_key(layer: nn.Module, path: str | None = None) -> int:
     """The layer's kind: equal for two layers exactly when nothing a trace of their forward can
-    read differs between them, `PER_LAYER` attributes aside (module docstring)."""
-    return int(_digest(layer), 16)
+    read differs between them, `PER_LAYER` attributes aside (module docstring). `path`: the
+    layer's own module path (`layers.3`), which strings may name (peft's `target_name`:
+    `model.layers.3.self_attn.q_proj`); there it stands for "this layer"."""
+    return int(_digest(layer, path), 16)
 
 
-def _digest(layer: nn.Module) -> str:
+def _digest(layer: nn.Module, path: str | None = None) -> str:
     parts = []
     for name, mod in layer.named_modules(remove_duplicate=False):
         parts.append(f"[{name}]{type(mod).__module__}.{type(mod).__qualname__}")
@@ -106,7 +110,10 @@ def _digest(layer: nn.Module) -> str:
                     parts.append(f"h {attr} {_value(list(value.values()))}")
                 continue
             parts.append(f"a {attr} {_value(value)}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:15]
+    text = "\n".join(parts)
+    if path:
+        text = re.sub(rf"\b{re.escape(path)}\b", "<layer>", text)
+    return hashlib.sha256(text.encode()).hexdigest()[:15]
 
 
 def wanted(option: str, num_layers: int, disabled=()) -> bool:
@@ -176,10 +183,13 @@ def _unflatten(spec: str, flat: tuple) -> tuple[list, dict]:
 
 
 def _reuse_key(key: int):
-    """The region's reuse key: the layer's kind, the call's argument structure and its constant
-    arguments (which the trace bakes in; tensors are compared after the trace)."""
+    """The region's reuse key: the layer's kind, the call's argument structure, its constant
+    arguments (which the trace bakes in) and whether each tensor argument needs a gradient and
+    its dtype and rank (a frozen embedding's output into layer 0 makes that call a kind of its
+    own; shapes and strides are compared after the trace)."""
     def reuse_key(_self, spec, *flat):
-        return hash((key, spec, tuple(v for v in flat if v is None or isinstance(v, (bool, int, float, str)))))
+        return hash((key, spec, tuple(v for v in flat if v is None or isinstance(v, (bool, int, float, str))),
+                     tuple((v.requires_grad, str(v.dtype), v.dim()) for v in flat if isinstance(v, torch.Tensor))))
     return reuse_key
 
 
@@ -225,7 +235,8 @@ def install(model: nn.Module, layers: nn.ModuleList) -> str | None:
             if owner.setdefault(id(p), k) != k:
                 return (f"decoder layers {owner[id(p)]} and {k} share weights (a shared block: each call reaches "
                         "them by its own layer's path)")
-    keys = [kind_key(layer) for layer in layers]
+    name = next((n for n, m in model.named_modules() if m is layers), "").rpartition(".")[2]
+    keys = [kind_key(layer, f"{name}.{k}" if name else None) for k, layer in enumerate(layers)]
     for layer, key in zip(layers, keys):
         if _wrapped(layer) and getattr(vars(layer)["forward"], _MARK) == key:
             continue
