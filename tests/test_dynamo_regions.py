@@ -81,6 +81,20 @@ def test_a_step_with_dynamo_regions_is_eager_s_and_compiles_once(clone):
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
 
 
+def _trained_step_matches_eager(model, ref) -> None:
+    """One compiled step of `model` with regions against eager `ref`: the loss and the gradients
+    of what is trained (frozen weights have none)."""
+    ids, mask, labels = batch(2, 8)
+    loss = _compiled(model)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 class _ScaledMLP(torch.nn.Module):
     """An MLP whose output depends on its layer's index: a trace of layer 0 is wrong for layer 1."""
 
@@ -111,15 +125,7 @@ def test_a_layer_called_with_an_input_that_needs_no_gradient_is_a_kind_of_its_ow
     model.model.embed_tokens.weight.requires_grad_(False)
     ref = clone(model)
     with caplog.at_level(logging.INFO, logger="megatrain.compile"):
-        ids, mask, labels = batch(2, 8)
-        loss = _compiled(model)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-        loss.backward()
-    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        _trained_step_matches_eager(model, ref)
     assert "again without layer regions" not in caplog.text
     record = programs_of(model)[-1].dynamo_regions
     assert (record.calls, record.retrace) == (2, ""), record   # (layers 1 and 2; layer 0 in line)
@@ -234,15 +240,6 @@ def test_lora_layers_with_dynamo_regions_train_like_eager(clone):
     for name, p in model.named_parameters():
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
-    ref = clone(model)
-    ids, mask, labels = batch(2, 8)
-    loss = _compiled(model)(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    loss.backward()
-    ref_loss = ref(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if p.requires_grad:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _trained_step_matches_eager(model, clone(model))
     record = programs_of(model)[-1].dynamo_regions   # (peft names each layer's path in its modules)
     assert (record.calls, record.retrace) == (3, ""), record
