@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import gc
 import logging
 import time
 import unittest.mock
@@ -347,26 +346,10 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     if runtime:
         compile_start.late(capture.root, opts.attention)
     program = Program(capture, params, opts, runtime=runtime)
-    with _gc_paused():
+    with compile_start.gc_paused():
         compiled = _compile_within_budget(program, gm, example_inputs)
     _PROGRAMS.setdefault(capture.root, []).append(program)
     return compiled
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic garbage collector off while one graph compiles (on again after, as it was):
-    the compile makes hundreds of thousands of objects (FX nodes, their metadata, fake tensors)
-    and each full collection walks them all. At 64 layers of a tiny Llama that was two thirds of
-    putting the layer calls back in line. What the compile leaves behind is collected later as
-    usual."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _check_dynamo_regions(capture: ModelCapture, gm: fx.GraphModule) -> None:

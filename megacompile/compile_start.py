@@ -39,6 +39,7 @@ call megacompile.reset() (capture.py).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import weakref
@@ -68,37 +69,39 @@ def _megatrain_wrapper(compiled):
     return None
 
 
-def _option(wrapper, name: str, default):
-    """A compile option as given (a wrong value is refused by the backend, which checks them all)."""
+def _options(wrapper) -> dict:
+    """The compile options as given to torch.compile (the backend checks them all)."""
     options = (getattr(wrapper, "kwargs", None) or {}).get("options") or {}
-    value = options.get(name, default) if isinstance(options, dict) else default
+    return options if isinstance(options, dict) else {}
+
+
+def _given(options: dict, name: str, default):
+    """Option `name` as given, or `default` where it is missing or of another type (a wrong value
+    is refused by the backend)."""
+    value = options.get(name, default)
     return value if isinstance(value, type(default)) else default
 
 
-def _disabled(wrapper) -> tuple:
-    """The compile's disable_passes as given (a name or a list of names)."""
-    options = (getattr(wrapper, "kwargs", None) or {}).get("options") or {}
-    value = options.get("disable_passes", ()) if isinstance(options, dict) else ()
-    return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else ()
-
-
-def prepare(model: torch.nn.Module, attention_choice: str = "segments", regions: str = "auto",
-            disabled: tuple = ()) -> None:
-    """Make `model` ready to be traced by megatrain: hooks, the attention implementation, and
-    each decoder layer's forward as a compile region of its kind (dynamo_regions.py; `regions`:
-    the option dynamo_regions)."""
+def prepare(model: torch.nn.Module, options: dict | None = None) -> None:
+    """Make `model` ready to be traced by megatrain, as compile `options` (as given) ask: hooks,
+    the attention implementation, and each decoder layer's forward as a compile region of its
+    kind (dynamo_regions.py)."""
+    options = options if isinstance(options, dict) else {}
     output_hooks.install_requested_hooks(model)
-    if attention_choice == "segments":
+    if _given(options, "attention", "segments") == "segments":
         why = attention.select(model)
         if why:
             log.info("megatrain: %s keeps transformers' attention (%s)", type(model).__name__, why)
     try:
-        _prefix, layers = find_layer_stack(model)
+        prefix, layers = find_layer_stack(model)
     except UnsupportedModelError:   # (the backend refuses it, with this error)
         return
-    if not dynamo_regions.wanted(regions, len(layers), disabled):
+    disabled = options.get("disable_passes", ())   # (a name or a list of names)
+    disabled = (disabled,) if isinstance(disabled, str) else tuple(disabled) if isinstance(disabled, (list, tuple)) \
+        else ()
+    if not dynamo_regions.wanted(_given(options, "dynamo_regions", "auto"), len(layers), disabled):
         dynamo_regions.uninstall(model, layers)
-    elif (why := dynamo_regions.install(model, layers)) is not None:
+    elif (why := dynamo_regions.install(model, layers, prefix)) is not None:
         log.info("megatrain: Dynamo traces every decoder layer of %s (%s)", type(model).__name__, why)
 
 
@@ -190,10 +193,13 @@ class GcPause:
     def __init__(self) -> None:
         self.paused = False
 
-    def pause(self) -> None:
-        if not self.paused and gc.isenabled():
-            gc.disable()
-            self.paused = True
+    def pause(self) -> bool:
+        """Pause it; whether this call did (False: already paused, or off by the user's choice)."""
+        if self.paused or not gc.isenabled():
+            return False
+        gc.disable()
+        self.paused = True
+        return True
 
     def resume(self) -> None:
         if self.paused:
@@ -204,6 +210,18 @@ class GcPause:
 _GC = GcPause()
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """The collector paused for a block, unless the compile already paused it (the backend's, for
+    a compile that began without the start callback: after torch._dynamo.reset())."""
+    paused = _GC.pause()
+    try:
+        yield
+    finally:
+        if paused:
+            _GC.resume()
+
+
 def _on_compile_start(_args) -> None:
     _LIFTED.active = True
     compiled = outermost_compiled_module()
@@ -211,8 +229,7 @@ def _on_compile_start(_args) -> None:
     if wrapper is not None:
         _GC.pause()
         CLOCK.start(type(compiled._orig_mod).__name__)
-        prepare(compiled._orig_mod, _option(wrapper, "attention", "segments"),
-                _option(wrapper, "dynamo_regions", "auto"), _disabled(wrapper))
+        prepare(compiled._orig_mod, _options(wrapper))
         if _LIFTED.lift(compiled._orig_mod):
             log.debug("megatrain: fp32 gradients lifted off low-precision parameters while Dynamo traces")
 

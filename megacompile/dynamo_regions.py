@@ -41,7 +41,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 #: attributes left out of the kind key because they differ in every layer; a trace that reads one
-#: (a guard on it) is not reused (`unread_attributes`)
+#: (a guard on it) is not reused (`read_per_layer_attributes`)
 PER_LAYER = ("layer_idx",)
 _PLAIN = (bool, int, float, str, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _MARK = "__megatrain_region_key__"
@@ -221,9 +221,9 @@ def _region(forward, key: int):
     return layer_forward
 
 
-def install(model: nn.Module, layers: nn.ModuleList) -> str | None:
-    """Wrap each decoder layer's forward in a compile region keyed by its kind (idempotent).
-    Returns why not, or None."""
+def install(model: nn.Module, layers: nn.ModuleList, prefix: str) -> str | None:
+    """Wrap each decoder layer's forward in a compile region keyed by its kind (idempotent);
+    `prefix`: the stack's path in `model` (`model.layers`). Returns why not, or None."""
     if model in _OFF:
         return _OFF[model]
     for layer in layers:
@@ -235,7 +235,7 @@ def install(model: nn.Module, layers: nn.ModuleList) -> str | None:
             if owner.setdefault(id(p), k) != k:
                 return (f"decoder layers {owner[id(p)]} and {k} share weights (a shared block: each call reaches "
                         "them by its own layer's path)")
-    name = next((n for n, m in model.named_modules() if m is layers), "").rpartition(".")[2]
+    name = prefix.rpartition(".")[2]
     keys = [kind_key(layer, f"{name}.{k}" if name else None) for k, layer in enumerate(layers)]
     for layer, key in zip(layers, keys):
         if _wrapped(layer) and getattr(vars(layer)["forward"], _MARK) == key:
@@ -257,9 +257,7 @@ def uninstall(model: nn.Module, layers: nn.ModuleList, why: str | None = None) -
 def read_per_layer_attributes(guard_names, layer_prefix: str) -> list[str]:
     """The `PER_LAYER` attributes of decoder layers the trace read (Dynamo's guards on them, by
     source name such as `L['self'].model.layers[0].self_attn.layer_idx`)."""
-    hits = []
-    for name in guard_names:
-        if any(name.endswith(f".{attr}") or name.endswith(f"'{attr}']") for attr in PER_LAYER) and \
-                (f".{layer_prefix.rpartition('.')[2]}[" in name or f"'{layer_prefix.rpartition('.')[2]}'" in name):
-            hits.append(name)
-    return hits
+    stack = layer_prefix.rpartition(".")[2]
+    return [name for name in guard_names
+            if any(name.endswith(f".{attr}") or name.endswith(f"'{attr}']") for attr in PER_LAYER)
+            and (f".{stack}[" in name or f"'{stack}'" in name)]

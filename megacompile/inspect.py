@@ -205,9 +205,7 @@ def capture_program(model, batch: int, seq: int, slots: int, hardware: Hardware 
     # what the compile-start callback does for a real compile (this backend is not "megatrain",
     # which it looks for): the output hooks the config asks for, the attention a run selects, and
     # the layers' compile regions
-    options = options or {}
-    compile_start.prepare(model, options.get("attention", "segments"), options.get("dynamo_regions", "auto"),
-                          tuple(options.get("disable_passes", ())))
+    compile_start.prepare(model, options)
     compiled = torch.compile(model, backend=capture)
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
     compiled(input_ids=ids, labels=ids, use_cache=False, **text_positions(model, batch, seq))

@@ -112,39 +112,41 @@ def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, first: str)
         if fn_stack and fn_stack[0][1] is invoke_subgraph:
             fn_stack = fn_stack[1:]
         new.meta["source_fn_stack"] = outer_fn + fn_stack
-    env = inline_call(gm, call, body, retag)
-    for value in reversed([v for v in env.values() if isinstance(v, fx.Node)]):
-        if _unread(value):
-            gm.graph.erase_node(value)
+    inline_call(gm, call, body, retag)
 
 
 @graph_pass("inline_dynamo_regions", writes=(DYNAMO_REGIONS,))
 def inline_dynamo_regions(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     record = gm.meta[DYNAMO_REGIONS] = DynamoRegions()
-    _strip_self(gm)   # (torch itself puts a kind called once back in line, paths unchanged,
-    for n in reversed(gm.graph.nodes):   # and its unread outputs left)
-        if _unread(n):
-            gm.graph.erase_node(n)
+    _strip_self(gm)   # (torch itself puts a kind called once back in line, paths unchanged)
     calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is invoke_subgraph
              and n.args[0].op == "get_attr"]
-    if not calls:
-        return gm
     first: dict[str, str] = {}   # subgraph attribute -> the module path of the layer it was traced as
     for call in calls:
         attr = call.args[0].target
-        first.setdefault(attr, _layer_entry(call)[1][0])
-        why = _mismatch(call, getattr(gm, attr)) or _nested(getattr(gm, attr))
+        why = _mismatch(call, getattr(gm, attr))
+        if attr not in first:
+            first[attr] = _layer_entry(call)[1][0]
+            why = why or _nested(getattr(gm, attr))
         if why:
             record.retrace = why
             return gm
-    attrs = {call.args[0] for call in calls}
+    attrs = {call.args[0] for call in calls}   # (one get_attr node per call, several of one subgraph)
     for call in calls:
         _inline(gm, call, getattr(gm, call.args[0].target), first[call.args[0].target])
-    for attr in attrs:   # (one get_attr node per call, several of one subgraph)
+    for attr in attrs:
         gm.graph.erase_node(attr)
     for name in first:
         delattr(gm, name)
+    # what no one reads: the stand-ins for a None a layer returns, and the tuple elements torch
+    # leaves where it put a kind called once back in line (users first: chains go too)
+    unread = 0
+    for n in list(reversed(gm.graph.nodes)):   # (each node checked when reached: after its users)
+        if _unread(n):
+            gm.graph.erase_node(n)
+            unread += 1
     record.calls, record.kinds = len(calls), len(first)
-    gm.graph.lint()
-    gm.recompile()
+    if calls or unread:
+        gm.graph.lint()
+        gm.recompile()
     return gm

@@ -115,7 +115,7 @@ def test_a_layer_whose_trace_reads_layer_idx_is_traced_whole(clone, caplog):
         assert_step_matches_eager(model, ref, _compiled(model))
     assert "again without layer regions" in caplog.text and "layer_idx" in caplog.text
     assert programs_of(model)[-1].dynamo_regions.calls == 0
-    assert "layer_idx" in dynamo_regions.install(model, model.model.layers)   # (whole from then on)
+    assert "layer_idx" in dynamo_regions.install(model, model.model.layers, "model.layers")   # (whole from then on)
 
 
 def test_a_layer_called_with_an_input_that_needs_no_gradient_is_a_kind_of_its_own(clone, caplog):
@@ -155,7 +155,7 @@ def test_a_call_with_a_kv_cache_traces_its_layers_in_line():
     """A DynamicCache (which each layer writes into) cannot cross into a reused region: the
     layers run in line, and the call traces as it would without regions."""
     model = tiny_model(layers=3).eval()
-    dynamo_regions.install(model, model.model.layers)
+    dynamo_regions.install(model, model.model.layers, "model.layers")
     graphs = []
     compiled = torch.compile(model, backend=lambda gm, _inputs: graphs.append(gm) or gm.forward)
     ids = batch()[0]
