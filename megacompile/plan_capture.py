@@ -5,6 +5,8 @@ and to every layer (`PrefixModel`). plan.py turns that into host/device bytes an
 """
 from __future__ import annotations
 
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -52,7 +54,38 @@ class Capture:
     attention_chunks: list[int] = field(default_factory=list)   # query chunks per chunked attention
 
 
+#: the captures made in this process, newest last, by everything a capture depends on
+#: (`capture_key`): a resumed run's preflight, a notebook's second plan, or run after run of one
+#: model shape (a test suite) compiles the prefix once. A Capture is never changed once made.
+_CAPTURES: OrderedDict[str, Capture] = OrderedDict()
+_KEEP = 16   # (a capture holds its bodies' graphs: some, not every shape ever planned)
+
+
+def capture_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> str:
+    """What a capture depends on, as text: the model's configuration (less where it was loaded
+    from), the prefix, the shape, the profile and the compile options. A value without a plain
+    form is keyed by its repr, which for an object is its identity: never a wrong hit."""
+    shape = config.to_dict()
+    shape.pop("_name_or_path", None)
+    return json.dumps([shape, getattr(config, "_attn_implementation", None), layers, batch, seq, slots, str(dtype),
+                       hw.to_dict(), options], sort_keys=True, default=repr)
+
+
 def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
+    """The first `layers` layers of `config` compiled for meta inputs of `batch` x `seq`, costed
+    on `hw` (made once per process for each `capture_key`)."""
+    key = capture_key(config, layers, batch, seq, slots, dtype, hw, options)
+    if key in _CAPTURES:
+        _CAPTURES.move_to_end(key)
+        return _CAPTURES[key]
+    made = _capture(config, layers, batch, seq, slots, dtype, hw, options)
+    _CAPTURES[key] = made
+    while len(_CAPTURES) > _KEEP:
+        _CAPTURES.popitem(last=False)
+    return made
+
+
+def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
     from .inspect import build_model_from_config, capture_program
     from .log import quiet
     model = build_model_from_config(config, layers, dtype)

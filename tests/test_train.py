@@ -144,14 +144,30 @@ def test_train_logs_checkpoints_and_exports_a_loadable_model(tiny_dir, tmp_path)
         torch.testing.assert_close(p, masters[name], rtol=0, atol=0)
 
 
-def test_accumulation_normalises_by_the_step_tokens(tiny_dir, tmp_path):
+def test_lengths_vary_when_padded_batches_can_differ():
+    from megacompile.train.data import Example, Examples, lengths_vary, mark_lengths_dynamic
+    store = Examples.from_list([Example([1] * n, [1] * n) for n in (3, 12, 5)])
+    assert lengths_vary(store) and not lengths_vary(store.select([0, 2]))   # (3 and 5 both pad to 8)
+    assert not lengths_vary([Example([1] * n, [1] * n) for n in (3, 12)])  # (a stream: not known ahead)
+    batch = mark_lengths_dynamic({"input_ids": torch.ones(2, 8, dtype=torch.long), "pixel_values": torch.ones(2, 3)})
+    assert batch["input_ids"]._dynamo_weak_dynamic_indices == {1}
+    assert not hasattr(batch["pixel_values"], "_dynamo_weak_dynamic_indices")
+
+
+def test_accumulation_normalises_by_the_step_tokens(tiny_dir, tmp_path, capsys):
     """(batch 4, accum 1) and (batch 1, accum 4) see the same samples per step: same loss, same weights."""
     a = config(tiny_dir, tmp_path / "a", per_device_train_batch_size=4, gradient_accumulation_steps=1,
                max_steps=2, save_steps=2)
     b = config(tiny_dir, tmp_path / "b", per_device_train_batch_size=1, gradient_accumulation_steps=4,
                max_steps=2, save_steps=2)
     train(a, progress=False)
+    capsys.readouterr()
     train(b, progress=False)
+    # b's micro-batches of one example differ in length, and its step compiled once, for any
+    # length (train/data.mark_lengths_dynamic); compiled for its first length, a second length
+    # compiled the whole step again
+    said = capsys.readouterr()
+    assert (said.out + said.err).count("Dynamo traces the model") == 1, said.out + said.err
     # the same sample order needs the same permutation: batch 4 x 1 reads perm[0:4] like batch 1 x 4
     la, lb = log_rows(Path(a.output_dir)), log_rows(Path(b.output_dir))
     for ra, rb in zip(la, lb):

@@ -450,6 +450,34 @@ def collate(examples: list[Example], pad_id: int, multiple: int = 8, images=None
     return batch
 
 
+#: the [batch, sequence] inputs of a collated batch, whose sequence length changes between batches
+SEQUENCE_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids")
+
+
+def lengths_vary(examples, multiple: int = 8) -> bool:
+    """Whether collated batches of `examples` can differ in length (padded to `multiple`):
+    unpacked examples of several lengths. A stream (not an `Examples` store) is not known ahead:
+    False, the compiler's own rule (static, dynamic from the second length) applies."""
+    lengths = getattr(examples, "lengths", None)
+    if lengths is None or not len(examples):
+        return False
+    padded = -(-lengths() // multiple) * multiple
+    return bool(padded.min() != padded.max())
+
+
+def mark_lengths_dynamic(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` with its sequence dimension marked dynamic for Dynamo, so that the first compile
+    serves every length: without it the first step compiles for its exact length and the second
+    length compiles the model again with a symbolic one (a whole second compile: a few seconds
+    for a toy, tens for an 80-layer model). `maybe_`: a family whose trace needs a fixed length
+    is specialised by Dynamo instead of refused."""
+    for key in SEQUENCE_INPUTS:
+        t = batch.get(key)
+        if isinstance(t, torch.Tensor) and t.dim() == 2:
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    return batch
+
+
 class Order:
     """The sample order: one seeded permutation per epoch (or the examples as they are, with
     shuffle=False: LLaMA-Factory's disable_shuffling), read micro-batch by micro-batch.

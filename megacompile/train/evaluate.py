@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CannotFitError, ConfigError
-from .data import IGNORE, DataError, build_examples, collate
+from .data import IGNORE, DataError, build_examples, collate, lengths_vary, mark_lengths_dynamic
 
 STRATEGIES = ("no", "steps", "epoch")
 
@@ -192,10 +192,13 @@ def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: 
     mine = starts[topo.rank::topo.world]
     plan = [(mine[min(j, len(mine) - 1)] if mine else 0, j < len(mine))
             for j in range(-(-len(starts) // topo.world))]
+    vary = lengths_vary(examples)
     try:
         with torch.no_grad():
             for k, counts in plan:
                 batch = collate(examples[k: k + batch_size], pad_id, images=images)
+                if vary:
+                    mark_lengths_dynamic(batch)
                 n = trained_tokens(batch) if counts else 0
                 if n == 0 and not topo.enabled:   # (several ranks: every forward runs, its collectives pair up)
                     continue

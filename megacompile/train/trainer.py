@@ -38,8 +38,8 @@ from ..runtime.tier_io import TierIOError
 from ..vlm import is_vlm
 from . import checkpoint, lora, ranks, resume, schedule, stream
 from .config import TrainConfig
-from .data import (IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint, show_example,
-                   skip_summary)
+from .data import (IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint,
+                   lengths_vary, mark_lengths_dynamic, show_example, skip_summary)
 from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
 from .finetuning import apply_finetuning
 from .flops import FlopCounter, device_peak
@@ -421,11 +421,14 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
     ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     per = config.per_device_train_batch_size
     mine = slice(topo.rank * per, (topo.rank + 1) * per)   # this rank's part of each global micro-batch
+    vary = lengths_vary(examples)   # (then the first compile takes any length: one compile, not two)
     with open(out / LOG_NAME if topo.writer else os.devnull, "a") as log:   # (rank 0 writes the run log)
         while state["step"] < total:
             t0 = time.perf_counter()
             picked = [order.next_examples(examples)[mine] for _ in range(accum)]
             micro = [collate(b, tokenizer.pad_token_id, images=images) for b in picked]
+            if vary:
+                micro = [mark_lengths_dynamic(mb) for mb in micro]
             tokens = sum(int((mb["labels"][:, 1:] != IGNORE).sum()) for mb in micro)
             # (the loss is a sum over tokens / the step's trained tokens over every rank: the ranks'
             # gradients then add up to one process's at the global batch)
