@@ -5,12 +5,18 @@
     python benchmarks/compile_time.py --layers 8 --lowering inductor --cold-warm
     python benchmarks/compile_time.py --phases --layers 2 64 128   # where the first step's time goes
     python benchmarks/compile_time.py --phases --dynamo-regions always   # Dynamo traces each layer kind once
+    python benchmarks/compile_time.py --two-lengths --layers 2 16   # two sequence lengths: one compile or two
 
 For each depth: the seconds of the first forward + backward through
 torch.compile(backend="megatrain") on the CPU (Dynamo capture, AOTAutograd, the passes, the
 lowering, the step itself), of which Dynamo's own frame compile (torch._dynamo's
 `compile_time` counters); the median over --repeat fresh runs. Identical layers are compiled
 once, so the time should grow with the graph Dynamo and AOTAutograd trace, not with lowering.
+
+`--two-lengths` runs two steps of different sequence lengths (16 then 12 tokens), each depth
+twice: as given (the first step compiles for its length, the second compiles again with a
+symbolic length) and with the length marked dynamic up front (`maybe_mark_dynamic`, what
+`megatrain train` does when its examples differ in length: one compile).
 
 `--lowering inductor` compiles each distinct body with Inductor (runtime/lowering.py);
 `--cold-warm` runs the first step twice, each in a fresh process, with one new Inductor cache
@@ -80,6 +86,23 @@ def phases(layers: int, lowering: str = "eager", dynamo_regions: str = "never") 
     return out
 
 
+def two_lengths(layers: int, marked: bool, dynamo_regions: str = "auto") -> tuple[float, float]:
+    """Seconds of a first step at 16 tokens and a second at 12, the length marked dynamic or not."""
+    megacompile.reset()
+    model = tiny_model("llama", layers=layers)
+    cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "dynamo_regions": dynamo_regions})
+    seconds = []
+    for length in (16, 12):
+        ids, mask, labels = batch(2, length)
+        if marked:
+            for t in (ids, mask, labels):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+        t0 = time.perf_counter()
+        cmodel(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+        seconds.append(time.perf_counter() - t0)
+    return seconds[0], seconds[1]
+
+
 def first_step(layers: int, lowering: str = "eager", dynamo_regions: str = "never") -> tuple[float, float]:
     p = phases(layers, lowering, dynamo_regions)
     return p["total"], p["dynamo"]
@@ -110,9 +133,21 @@ def main() -> None:
     ap.add_argument("--dynamo-regions", default="never", choices=["never", "always", "auto"],
                     help="Dynamo traces each decoder-layer kind once (option dynamo_regions; default never here, "
                          "to show the whole trace)")
+    ap.add_argument("--two-lengths", action="store_true",
+                    help="two steps of different lengths: as given (two compiles) and marked dynamic (one)")
     ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.two_lengths:
+        print(f"{'layers':>6} {'lengths':>8} {'step 1 s':>9} {'step 2 s':>9} {'both s':>7}   (median of {args.repeat}; "
+              f"dynamo_regions {args.dynamo_regions})")
+        for n in args.layers:
+            for marked in (False, True):
+                runs = [two_lengths(n, marked, args.dynamo_regions) for _ in range(args.repeat)]
+                a, b = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+                both = statistics.median(r[0] + r[1] for r in runs)
+                print(f"{n:>6} {'marked' if marked else 'as given':>8} {a:>9.2f} {b:>9.2f} {both:>7.2f}", flush=True)
+        return
     if args.phases:
         names = None
         for n in args.layers:

@@ -270,7 +270,7 @@ def test_a_break_of_ours_in_a_run_is_reported_as_our_bug(matrix, tmp_path, own_c
     monkeypatch.setattr(compile_start.LiftedGrads, "lift", lambda self, model: 0)
     # (the recompile a second length makes: data the trainer cannot see ahead, a stream; with the
     # lengths known, the first compile takes any length and there is no recompile to break)
-    monkeypatch.setattr("megacompile.train.trainer.lengths_vary", lambda examples: False)
+    monkeypatch.setattr("megacompile.train.trainer.lengths_vary", lambda *_: False)
     model, data = matrix
     cfg = row_config(LF_EXAMPLE, model, data, tmp_path / "out")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump({**cfg, "max_steps": 3}))

@@ -144,11 +144,19 @@ def test_train_logs_checkpoints_and_exports_a_loadable_model(tiny_dir, tmp_path)
         torch.testing.assert_close(p, masters[name], rtol=0, atol=0)
 
 
-def test_lengths_vary_when_padded_batches_can_differ():
-    from megacompile.train.data import Example, Examples, lengths_vary, mark_lengths_dynamic
-    store = Examples.from_list([Example([1] * n, [1] * n) for n in (3, 12, 5)])
-    assert lengths_vary(store) and not lengths_vary(store.select([0, 2]))   # (3 and 5 both pad to 8)
-    assert not lengths_vary([Example([1] * n, [1] * n) for n in (3, 12)])  # (a stream: not known ahead)
+def test_lengths_vary_when_the_runs_padded_batches_differ():
+    from megacompile.train.data import Example, Examples, Order, lengths_vary, mark_lengths_dynamic, run_batches
+    store = Examples.from_list([Example([1] * n, [1] * n) for n in (3, 12, 5, 14)])
+    assert lengths_vary(store, [[0], [1]]) and lengths_vary(store, [[0, 1], [2]])
+    assert not lengths_vary(store, [[0], [2], [0, 2]])   # (3 and 5 both pad to 8)
+    assert not lengths_vary(store, [[0, 1], [2, 3]])     # (12 and 14: 16 both)
+    assert not lengths_vary([Example([1] * n, [1] * n) for n in (3, 12)], [[0], [1]])   # (a stream)
+    # what a run will read, each rank's part apart, without moving the order
+    order = Order(4, 2, seed=0, shuffle=False)
+    assert [list(b) for b in run_batches(order, 3, world=2)] == [[0], [1], [2], [3], [0], [1]]
+    assert order.next() == [0, 1]
+    assert lengths_vary(store, run_batches(Order(4, 2, seed=0, shuffle=False), 1, world=2))   # rank 0: 3, rank 1: 12
+    assert not lengths_vary(store, run_batches(Order(4, 4, seed=0, shuffle=False), 1, world=1))   # one batch
     batch = mark_lengths_dynamic({"input_ids": torch.ones(2, 8, dtype=torch.long), "pixel_values": torch.ones(2, 3)})
     assert batch["input_ids"]._dynamo_weak_dynamic_indices == {1}
     assert not hasattr(batch["pixel_values"], "_dynamo_weak_dynamic_indices")

@@ -30,6 +30,7 @@ document is truncated to `cutoff_len` (BOS first with add_bos_token). As LF's co
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -454,15 +455,36 @@ def collate(examples: list[Example], pad_id: int, multiple: int = 8, images=None
 SEQUENCE_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
-def lengths_vary(examples, multiple: int = 8) -> bool:
-    """Whether collated batches of `examples` can differ in length (padded to `multiple`):
-    unpacked examples of several lengths. A stream (not an `Examples` store) is not known ahead:
-    False, the compiler's own rule (static, dynamic from the second length) applies."""
+def lengths_vary(examples, batches, multiple: int = 8) -> bool:
+    """Whether the collated `batches` (each a list of indices into `examples`, padded to
+    `multiple`) differ in length. Examples not held in a store (a stream) are not known ahead:
+    False, and the compiler's own rule (static, then dynamic from the second length) applies."""
     lengths = getattr(examples, "lengths", None)
-    if lengths is None or not len(examples):
+    if lengths is None:
         return False
-    padded = -(-lengths() // multiple) * multiple
-    return bool(padded.min() != padded.max())
+    lengths = lengths()
+    seen = None
+    for indices in batches:
+        if not len(indices):
+            continue
+        padded = -(-int(lengths[np.asarray(indices, dtype=np.int64)].max()) // multiple) * multiple
+        if seen is not None and padded != seen:
+            return True
+        seen = padded
+    return False
+
+
+def run_batches(order, micro_batches: int, world: int):
+    """The index lists of the next `micro_batches` global micro-batches `order` gives, each
+    rank's part (of `world`) apart, without moving `order` (a copy reads ahead)."""
+    if type(order) is not Order:   # (a stream's order reads its data: nothing to read ahead)
+        return
+    ahead = copy.deepcopy(order)
+    per = ahead.batch // world
+    for _ in range(micro_batches):
+        indices = np.asarray(ahead.next(), dtype=np.int64)
+        for r in range(world):
+            yield indices[r * per: (r + 1) * per]
 
 
 def mark_lengths_dynamic(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -192,7 +192,7 @@ def evaluate(cmodel, model, optimizer, examples: list, batch_size: int, pad_id: 
     mine = starts[topo.rank::topo.world]
     plan = [(mine[min(j, len(mine) - 1)] if mine else 0, j < len(mine))
             for j in range(-(-len(starts) // topo.world))]
-    vary = lengths_vary(examples)
+    vary = lengths_vary(examples, [range(k, min(k + batch_size, len(examples))) for k, _ in plan])
     try:
         with torch.no_grad():
             for k, counts in plan:

@@ -39,7 +39,7 @@ from ..vlm import is_vlm
 from . import checkpoint, lora, ranks, resume, schedule, stream
 from .config import TrainConfig
 from .data import (IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint,
-                   lengths_vary, mark_lengths_dynamic, show_example, skip_summary)
+                   lengths_vary, mark_lengths_dynamic, run_batches, show_example, skip_summary)
 from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
 from .finetuning import apply_finetuning
 from .flops import FlopCounter, device_peak
@@ -421,7 +421,10 @@ def _loop(config, cmodel, model, optimizer, scheduler, order, examples, images, 
     ran = skipped = streak = 0   # steps of this invocation, skipped ones, skipped in a row
     per = config.per_device_train_batch_size
     mine = slice(topo.rank * per, (topo.rank + 1) * per)   # this rank's part of each global micro-batch
-    vary = lengths_vary(examples)   # (then the first compile takes any length: one compile, not two)
+    # the micro-batches this run computes differ in length (on any rank): the first compile then
+    # takes any length, one compile instead of one for the first length and one more, symbolic,
+    # for the second; all equal: one compile for that length
+    vary = lengths_vary(examples, run_batches(order, (total - state["step"]) * accum, topo.world))
     with open(out / LOG_NAME if topo.writer else os.devnull, "a") as log:   # (rank 0 writes the run log)
         while state["step"] < total:
             t0 = time.perf_counter()
