@@ -85,14 +85,16 @@ FAMILIES: dict[str, Family] = {f.name or f.model_type: f for f in [
                                 "num_local_experts": 4, "shared_intermediate_size": 32}, 2,
            why="Granite 4: Mamba2 + attention layers, every layer with experts and a shared MLP"),
     Family("kimi_linear", {"num_hidden_layers": 4, "num_key_value_heads": 4,
-                           "layer_types": ["linear_attention", "full_attention"] * 2,
+                           # (the dense layer is an MLA one here, so only one layer kind holds KDA:
+                           # its reference chunk loop, 63 steps, is most of the family's compile)
+                           "layer_types": ["full_attention", "linear_attention"] * 2,
                            "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "num_experts": 4,
                            "num_experts_per_token": 2, "moe_intermediate_size": 16, "linear_head_dim": 8,
                            "linear_num_heads": 4, "linear_conv_kernel_dim": 2, "q_lora_rank": None,
                            "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8}, 3,
            why="Kimi Linear: KDA linear attention + MLA, a dense first layer then experts (three layer kinds)"),
     Family("bailing_hybrid", {"num_hidden_layers": 4, "num_key_value_heads": 4,
-                              "layer_types": ["linear_attention", "full_attention"] * 2,
+                              "layer_types": ["full_attention", "linear_attention"] * 2,   # (as kimi_linear's)
                               "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"], "num_experts": 4,
                               "num_experts_per_token": 2, "num_expert_group": 1, "topk_group": 1,
                               "moe_intermediate_size": 16, "linear_head_dim": 8, "linear_num_heads": 4,
