@@ -463,14 +463,17 @@ def lengths_vary(examples, batches, multiple: int = 8) -> bool:
     if lengths is None:
         return False
     lengths = lengths()
+    padded = -(-lengths // multiple) * multiple
+    if not len(padded) or padded.min() == padded.max():   # (packed, or all cut to one length: no batch to read)
+        return False
     seen = None
     for indices in batches:
         if not len(indices):
             continue
-        padded = -(-int(lengths[np.asarray(indices, dtype=np.int64)].max()) // multiple) * multiple
-        if seen is not None and padded != seen:
+        longest = int(padded[np.asarray(indices, dtype=np.int64)].max())
+        if seen is not None and longest != seen:
             return True
-        seen = padded
+        seen = longest
     return False
 
 
