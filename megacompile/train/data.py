@@ -425,12 +425,21 @@ def show_example(tokenizer, ex: Example) -> str:
 
 
 # batching ---------------------------------------------------------------------------
-def collate(examples: list[Example], pad_id: int, multiple: int = 8, images=None) -> dict[str, torch.Tensor]:
+#: a batch is padded to a multiple of this many tokens (LLaMA-Factory's collator pads to 8)
+PAD_MULTIPLE = 8
+
+
+def padded_length(length, multiple: int = PAD_MULTIPLE):
+    """`length` (an int, or a numpy array of them) rounded up to the padding multiple."""
+    return -(-length // multiple) * multiple
+
+
+def collate(examples: list[Example], pad_id: int, multiple: int = PAD_MULTIPLE, images=None) \
+        -> dict[str, torch.Tensor]:
     """Right-padded tensors; padding is masked by position (pad may equal eos). Packed examples
     get `position_ids` instead of an attention mask (the padding is one more packed sample).
     With `images` (images.ImageInputs), a VLM batch also gets its processed images."""
-    length = max(len(e.input_ids) for e in examples)
-    length = -(-length // multiple) * multiple
+    length = padded_length(max(len(e.input_ids) for e in examples), multiple)
     ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
     mask = torch.zeros((len(examples), length), dtype=torch.long)
@@ -455,7 +464,7 @@ def collate(examples: list[Example], pad_id: int, multiple: int = 8, images=None
 SEQUENCE_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids")
 
 
-def lengths_vary(examples, batches, multiple: int = 8) -> bool:
+def lengths_vary(examples, batches, multiple: int = PAD_MULTIPLE) -> bool:
     """Whether the collated `batches` (each a list of indices into `examples`, padded to
     `multiple`) differ in length. Examples not held in a store (a stream) are not known ahead:
     False, and the compiler's own rule (static, then dynamic from the second length) applies."""
@@ -463,7 +472,7 @@ def lengths_vary(examples, batches, multiple: int = 8) -> bool:
     if lengths is None:
         return False
     lengths = lengths()
-    padded = -(-lengths // multiple) * multiple
+    padded = padded_length(lengths, multiple)   # (as collate pads each batch)
     if not len(padded) or padded.min() == padded.max():   # (packed, or all cut to one length: no batch to read)
         return False
     seen = None
