@@ -42,6 +42,7 @@ from typing import Sequence
 
 import torch
 
+from .disk_cache import cache_root
 from .log import get as _get_logger
 
 log = _get_logger("embedded")
@@ -140,8 +141,7 @@ def find_gguf() -> Path:
 
 def default_cache_dir() -> Path:
     """``$MEGATRAIN_CACHE/smollm2-135m-instruct``, or ``~/.cache/megatrain/smollm2-135m-instruct``."""
-    root = os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain"
-    return Path(root).expanduser() / CACHE_NAME
+    return cache_root() / CACHE_NAME
 
 
 def _source_fingerprint(gguf_path: Path) -> dict:

@@ -272,19 +272,21 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     one GPU's step at its per-device batch, with its part of each fetch over PCIe, the
     all-gathers and fp32 reduce-scatters over the peer links (`peer_gbps`), the node's host
     optimizer doing the one-GPU work; the host holds one copy of the state and a process per GPU.
-    `progress(text)`, if given, hears each capture as it starts (the CLI: on stderr), since a
-    long sequence's captures take tens of seconds. `memo` (plan_compare.PlanMemo) shares the meta
-    model and the captures between plans of one model on several machines."""
+    `progress(text)`, if given, hears each capture as it starts compiling (the CLI: on stderr),
+    since a long sequence's captures take tens of seconds (one read from the compile cache,
+    disk_cache.py, is not said). `memo` (plan_compare.PlanMemo) shares the meta model and the
+    captures between plans of one model on several machines."""
     options = {"logits": "drop", **(options or {})}
     started = time.monotonic()
 
     def capture(b: int, opts: dict, why: str) -> Capture:
         if memo is not None:
             return memo.capture(config, prefix_len, b, seq, slots, dtype, hardware, opts)
-        if progress is not None:
+        def announce():
             progress(f"[megatrain] plan: compiling the first {prefix_len} layer(s) at batch {b} x seq {seq}{why} "
                      f"({time.monotonic() - started:.0f} s so far) ...")
-        return capture_prefix(config, prefix_len, b, seq, slots, dtype, hardware, opts)
+        return capture_prefix(config, prefix_len, b, seq, slots, dtype, hardware, opts,
+                              announce if progress is not None else None)
     from .errors import ConfigError
     from .inspect import build_meta_model, check_positive
     from .vlm import VISION_MODES, is_vlm

@@ -5,15 +5,17 @@ and to every layer (`PrefixModel`). plan.py turns that into host/device bytes an
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
-from .cost_model import body_seconds
+from . import disk_cache
+from .cost_model import BodyCost, body_cost, body_seconds
 from .hardware import Hardware
-from .ir import Step, segment_calls
+from .ir import SegmentInfo, Step, segment_calls
 from .passes.memory_plan import value_bytes
 from .simulate import SegmentCost
 
@@ -43,8 +45,15 @@ class DirectionCosts:
     saved: list[int]            # bytes of forward outputs (saved for the backward) per segment
     peak: int                   # memory plan peak of the captured prefix
     host_checkpoints: int = 0   # layer checkpoints the prefix keeps on the host (offload_checkpoints)
-    bodies: list = field(default_factory=list)   # each segment's body graph (its seconds on another profile)
+    bodies: list = field(default_factory=list)   # each segment's body graph ([]: read from the disk cache)
     lookahead: int = 0          # the prefetch lookahead the capture's schedule chose on its profile
+    costs: list = field(default_factory=list)    # each segment's BodyCost (its seconds on another profile)
+
+    def seconds_on(self, hw: Hardware) -> list[float]:
+        """Each segment's body seconds on `hw` (a profile that times ops needs the bodies)."""
+        if hw.measure_ops:
+            return body_costs(self.bodies, hw)
+        return [c.seconds(hw) for c in self.costs]
 
 
 @dataclass
@@ -71,14 +80,63 @@ def capture_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw
                        hw.to_dict(), options], sort_keys=True, default=repr)
 
 
-def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
+def disk_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> str | None:
+    """`capture_key` for the disk cache (disk_cache.py), or None where a capture must not be kept
+    between processes: a value with no plain form, a model whose code comes from its folder
+    (`auto_map`: that code is not part of the cache's version), a profile that times this
+    machine's ops (its bodies are needed again for every profile)."""
+    if hw.measure_ops or getattr(config, "auto_map", None):
+        return None
+    shape = config.to_dict()
+    shape.pop("_name_or_path", None)
+    return disk_cache.key_text([shape, getattr(config, "_attn_implementation", None), layers, batch, seq, slots,
+                                str(dtype), hw.to_dict(), options])
+
+
+def to_json(capture: Capture) -> dict:
+    """`capture` as plain data, without its bodies' graphs (their costs are kept)."""
+    def direction(d: DirectionCosts) -> dict:
+        return {"infos": [dict(dataclasses.asdict(i), grad_nbytes=sorted(i.grad_nbytes.items())) for i in d.infos],
+                "seconds": d.seconds, "layer": d.layer, "saved": d.saved, "peak": d.peak,
+                "host_checkpoints": d.host_checkpoints, "lookahead": d.lookahead,
+                "costs": [[c.flops, c.memory_bytes, c.ops] for c in d.costs]}
+    return {"batch": capture.batch, "attention_chunks": capture.attention_chunks,
+            "directions": {name: direction(d) for name, d in capture.directions.items()}}
+
+
+def from_json(data: dict) -> Capture | None:
+    """The Capture `to_json` wrote (None: not one: an entry of an older layout reads as a miss)."""
+    try:
+        directions = {}
+        for name, d in data["directions"].items():
+            infos = [SegmentInfo(**{**i, "grad_nbytes": dict(i["grad_nbytes"]),
+                                    "grads": [tuple(g) for g in i["grads"]]}) for i in d["infos"]]
+            directions[name] = DirectionCosts(infos, d["seconds"], d["layer"], d["saved"], d["peak"],
+                                              d["host_checkpoints"], [], d["lookahead"],
+                                              [BodyCost(*c) for c in d["costs"]])
+        return Capture(data["batch"], directions, data["attention_chunks"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options,
+                   announce=None) -> Capture:
     """The first `layers` layers of `config` compiled for meta inputs of `batch` x `seq`, costed
-    on `hw` (made once per process for each `capture_key`)."""
+    on `hw`: made once per process for each `capture_key`, and read from the disk cache where an
+    earlier process made it (`disk_key`). `announce()`, if given, is called before a compile."""
     key = capture_key(config, layers, batch, seq, slots, dtype, hw, options)
     if key in _CAPTURES:
         _CAPTURES.move_to_end(key)
         return _CAPTURES[key]
-    made = _capture(config, layers, batch, seq, slots, dtype, hw, options)
+    on_disk = disk_key(config, layers, batch, seq, slots, dtype, hw, options)
+    stored = disk_cache.read("plan", on_disk) if on_disk is not None else None
+    made = from_json(stored) if stored is not None else None
+    if made is None:
+        if announce is not None:
+            announce()
+        made = _capture(config, layers, batch, seq, slots, dtype, hw, options)
+        if on_disk is not None:
+            disk_cache.write("plan", on_disk, to_json(made))
     _CAPTURES[key] = made
     while len(_CAPTURES) > _KEEP:
         _CAPTURES.popitem(last=False)
@@ -111,8 +169,17 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
         out[direction] = DirectionCosts(segs, body_costs(bodies, hw), layer, saved,
                                         done.plan.peak_bytes if done.plan else 0,
                                         done.plan.host_checkpoint_bytes if done.plan else 0,
-                                        bodies, done.schedule.lookahead)
+                                        bodies, done.schedule.lookahead, shared_costs(bodies))
     return Capture(batch, out, program.attention_chunks)
+
+
+def shared_costs(bodies: list) -> list[BodyCost]:
+    """Each segment's BodyCost, a body shared by several segments counted once."""
+    costs: dict[int, BodyCost] = {}
+    for body in bodies:
+        if id(body) not in costs:
+            costs[id(body)] = body_cost(body)
+    return [costs[id(body)] for body in bodies]
 
 
 def body_costs(bodies: list, hw: Hardware) -> list[float]:

@@ -25,7 +25,7 @@ from .errors import CannotFitError
 from .hardware import BUILTIN, Hardware
 from .passes.schedule import choose_lookahead
 from .plan import Plan, fmt_bytes, plan_model
-from .plan_capture import Capture, body_costs, capture_prefix
+from .plan_capture import Capture, capture_prefix
 from .simulate import SegmentCost
 
 #: the host RAM sizes compared (as --host-ram spells them: decimal units)
@@ -66,16 +66,20 @@ class PlanMemo:
         chose the lookahead `hw` would choose, re-costed on `hw`; else a new capture."""
         key = (id(config), layers, batch, seq, slots, dtype, hw.name == "cpu", repr(sorted(options.items())))
         found = self._captures.setdefault(key, [])
-        if found:
-            want = lookaheads(found[0][0], hw, slots)
-            for cap, on in found:
+        # (a capture read from the disk cache keeps its bodies' costs, not the bodies timing needs)
+        usable = [(cap, on) for cap, on in found
+                  if not hw.measure_ops or all(d.bodies for d in cap.directions.values())]
+        if usable:
+            want = lookaheads(usable[0][0], hw, slots)
+            for cap, on in usable:
                 if all(d.lookahead == want[name] for name, d in cap.directions.items()):
                     self.reused += 1
                     return cap if on == hw else recosted(cap, hw)
-        if self.progress is not None:
-            self.progress(f"[megatrain] plan --compare: compiling the first {layers} layer(s) at batch {batch} x seq "
-                          f"{seq} ({time.monotonic() - self.started:.0f} s so far) ...")
-        cap = capture_prefix(config, layers, batch, seq, slots, dtype, hw, options)
+        def announce():
+            self.progress(f"[megatrain] plan --compare: compiling the first {layers} layer(s) at batch {batch} x "
+                          f"seq {seq} ({time.monotonic() - self.started:.0f} s so far) ...")
+        cap = capture_prefix(config, layers, batch, seq, slots, dtype, hw, options,
+                             announce if self.progress is not None else None)
         self.compiled += 1
         found.append((cap, hw))
         return cap
@@ -83,8 +87,8 @@ class PlanMemo:
 
 def recosted(cap: Capture, hw: Hardware) -> Capture:
     """`cap` with every segment's body seconds on `hw` (as plan.capture_prefix costs them)."""
-    return Capture(cap.batch, {name: dataclasses.replace(d, seconds=body_costs(d.bodies, hw))
-                               for name, d in cap.directions.items()})
+    return dataclasses.replace(cap, directions={name: dataclasses.replace(d, seconds=d.seconds_on(hw))
+                                                for name, d in cap.directions.items()})
 
 
 def lookaheads(cap: Capture, hw: Hardware, slots: int) -> dict[str, int]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,29 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # each (and in the `megatrain train` processes tests start), so they do not oversubscribe
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def pytest_configure(config):
+    """One compile cache (megacompile/disk_cache.py) for the run, empty at its start and shared by
+    its xdist workers (they inherit the environment the controller sets here, before it starts
+    them): the suite never reads a user's ~/.cache, and a plan one test compiled is read by the
+    next. A test that counts compiles gives itself an empty one (`own_compile_cache`)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["MEGATRAIN_COMPILE_CACHE"] = config._megatrain_compile_cache = tempfile.mkdtemp(
+            prefix="megatrain-compile-cache-")
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_megatrain_compile_cache", None):
+        shutil.rmtree(config._megatrain_compile_cache, ignore_errors=True)
+
+
+@pytest.fixture
+def own_compile_cache(tmp_path, monkeypatch):
+    """This test's own, empty compile cache: what it compiles is not read from another test's."""
+    path = tmp_path / "compile-cache"
+    monkeypatch.setenv("MEGATRAIN_COMPILE_CACHE", str(path))
+    return path
 
 
 def tiny_config(family: str = "llama", layers: int = 2, hidden: int = 32, **overrides):

@@ -421,7 +421,7 @@ def test_inspect_writes_the_checked_output(config_json, tmp_path, capsys):
 
 
 def test_plan_says_host_ram_in_the_users_unit_and_refuses_an_impossible_seq_at_once(config_json, capsys,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, own_compile_cache):
     """--host-ram 1T is said back as "1T (931.32 GiB)"; a sequence whose layer boundary alone
     exceeds the device is refused (exit 3) before the compile, which at 100M tokens would unroll
     thousands of MLP tiles and take minutes."""

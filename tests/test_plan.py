@@ -64,26 +64,58 @@ def test_largest_batch_is_the_edge_of_the_device(config_json, tmp_path):
     assert not over.fits and f"largest batch that fits is {plan.max_batch}" in over.problems[0]
 
 
-def test_a_second_plan_of_the_same_shape_compiles_nothing(config_json, tmp_path, monkeypatch):
-    """Captures are made once per process for everything they depend on: the same config from
-    another folder plans from the first plan's captures (and equals it); another sequence
-    length or option compiles its own."""
+@pytest.fixture
+def captures_made(monkeypatch, own_compile_cache):
+    """The batch of every prefix capture compiled from here on, with an empty in-process memo
+    and compile cache."""
     from megacompile import plan_capture
     made = []
     real = plan_capture._capture
     monkeypatch.setattr(plan_capture, "_capture", lambda *a: made.append(a[2]) or real(*a))   # (its batch)
     monkeypatch.setattr(plan_capture, "_CAPTURES", type(plan_capture._CAPTURES)())
-    plan = {"hardware": BUILTIN["h100"], "host_ram": 2**36, "seq": 64, "max_batch": 4}   # (batches 2 and 4 only)
-    first = plan_model(str(config_json), **plan)
-    assert made == [2, 4]
+    return made
+
+
+PLAN = {"hardware": BUILTIN["h100"], "host_ram": 2**36, "seq": 64, "max_batch": 4}   # (batches 2 and 4 only)
+
+
+def test_a_second_plan_of_the_same_shape_compiles_nothing(config_json, tmp_path, captures_made):
+    """Captures are made once per process for everything they depend on: the same config from
+    another folder plans from the first plan's captures (and equals it); another sequence
+    length or option compiles its own."""
+    first = plan_model(str(config_json), **PLAN)
+    assert captures_made == [2, 4]
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "config.json").write_text(config_json.read_text())
-    again = plan_model(str(tmp_path / "copy" / "config.json"), **plan)
-    assert made == [2, 4] and again.to_dict()["batches"] == first.to_dict()["batches"]
+    again = plan_model(str(tmp_path / "copy" / "config.json"), **PLAN)
+    assert captures_made == [2, 4] and again.to_dict()["batches"] == first.to_dict()["batches"]
     for other in ({"seq": 32}, {"options": {"recompute": "selective"}}):
-        before = len(made)
-        plan_model(str(config_json), **{**plan, **other})
-        assert made[before:] == [2, 4], other
+        before = len(captures_made)
+        plan_model(str(config_json), **{**PLAN, **other})
+        assert captures_made[before:] == [2, 4], other
+
+
+def test_a_later_process_plans_from_the_compile_cache(config_json, captures_made, own_compile_cache, monkeypatch):
+    """A capture is kept on disk (megacompile/disk_cache.py): a process with an empty memo plans
+    the same model from it without compiling, to the same plan; an entry cut short or made by
+    other code reads as a miss and is compiled again; MEGATRAIN_COMPILE_CACHE=off keeps nothing."""
+    from megacompile import disk_cache, plan_capture
+    first = plan_model(str(config_json), **PLAN).to_dict()
+    entries = sorted((own_compile_cache / "plan").glob("*.json"))
+    assert captures_made == [2, 4] and len(entries) == 2
+
+    def new_process():
+        monkeypatch.setattr(plan_capture, "_CAPTURES", type(plan_capture._CAPTURES)())
+        return plan_model(str(config_json), **PLAN).to_dict()
+    assert new_process()["batches"] == first["batches"] and captures_made == [2, 4]
+    entries[0].write_text(entries[0].read_text()[:100])   # (a crash mid-write: os.replace prevents it)
+    assert new_process()["batches"] == first["batches"] and len(captures_made) == 3
+    monkeypatch.setattr(disk_cache, "code_version", lambda: "a changed pass")
+    assert new_process()["batches"] == first["batches"] and len(captures_made) == 5
+    monkeypatch.setenv("MEGATRAIN_COMPILE_CACHE", "off")
+    before = sorted(p.name for p in own_compile_cache.rglob("*.json"))
+    assert new_process()["batches"] == first["batches"] and len(captures_made) == 7
+    assert sorted(p.name for p in own_compile_cache.rglob("*.json")) == before
 
 
 def test_refuses_with_exit_code_and_what_would_fit(config_json, tmp_path, capsys):

@@ -25,22 +25,6 @@ from megacompile.train.preflight import PreflightError, choose_tier, preflight
 GiB = 2**30
 
 
-@pytest.fixture(autouse=True, scope="module")
-def captures_once():
-    """Each (model, batch, seq, options) captured once in this module: the host RAM and the SSD
-    bytes, which these tests vary, do not change what a capture sees."""
-    original, memo = megacompile.plan.capture_prefix, {}
-
-    def capture(config, layers, batch, seq, slots, dtype, hw, options):
-        key = (config.to_json_string(), layers, batch, seq, slots, str(dtype), hw, repr(sorted(options.items())))
-        if key not in memo:
-            memo[key] = original(config, layers, batch, seq, slots, dtype, hw, options)
-        return memo[key]
-    megacompile.plan.capture_prefix = capture
-    yield
-    megacompile.plan.capture_prefix = original
-
-
 @pytest.fixture
 def wide_json(tmp_path):
     """A 2-layer llama (built on the meta device only) whose 84M-parameter projections are tiered

@@ -36,6 +36,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from ..disk_cache import cache_root
 from ..log import get as _get_logger
 from .registry import DataError, DatasetAttr
 
@@ -66,11 +67,6 @@ def features():
     ints = datasets.List(datasets.Value("int32"))
     return datasets.Features({"input_ids": ints, "labels": ints, "images": datasets.List(datasets.Value("string")),
                               "drop": datasets.Value("string")})
-
-
-def cache_root() -> Path:
-    """$MEGATRAIN_CACHE or ~/.cache/megatrain (the embedded model's cache root too)."""
-    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain").expanduser()
 
 
 # the per-record function ------------------------------------------------------------
