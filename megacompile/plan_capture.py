@@ -17,6 +17,7 @@ from .cost_model import BodyCost, body_cost, body_seconds
 from .hardware import Hardware
 from .ir import SegmentInfo, Step, segment_calls
 from .passes.memory_plan import value_bytes
+from .passes.schedule import choose_lookahead
 from .simulate import SegmentCost
 
 
@@ -81,16 +82,20 @@ def capture_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw
 
 
 def disk_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> str | None:
-    """`capture_key` for the disk cache (disk_cache.py), or None where a capture must not be kept
-    between processes: a value with no plain form, a model whose code comes from its folder
-    (`auto_map`: that code is not part of the cache's version), a profile that times this
-    machine's ops (its bodies are needed again for every profile)."""
+    """`capture_key` for the disk cache (disk_cache.py), less the profile's figures: a capture
+    depends on them only through the prefetch lookahead its schedule chooses and its seconds
+    (plan_compare.py relies on the same), so an entry serves every profile of the device kind
+    that chooses its lookahead (`capture_prefix`), as the trainer's preflight needs: its CPU or
+    GPU profile is measured, a little different at every start. None where a capture must not
+    be kept between processes: a value with no plain form, a model whose code comes from its
+    folder (`auto_map`: that code is not part of the cache's version), a profile that times
+    this machine's ops (its bodies are needed again for every profile)."""
     if hw.measure_ops or getattr(config, "auto_map", None):
         return None
     shape = config.to_dict()
     shape.pop("_name_or_path", None)
     return disk_cache.key_text([shape, getattr(config, "_attn_implementation", None), layers, batch, seq, slots,
-                                str(dtype), hw.to_dict(), options])
+                                str(dtype), "cpu" if hw.name == "cpu" else "gpu", options])
 
 
 def to_json(capture: Capture) -> dict:
@@ -123,20 +128,26 @@ def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype,
                    announce=None) -> Capture:
     """The first `layers` layers of `config` compiled for meta inputs of `batch` x `seq`, costed
     on `hw`: made once per process for each `capture_key`, and read from the disk cache where an
-    earlier process made it (`disk_key`). `announce()`, if given, is called before a compile."""
+    earlier process made it on a profile that chooses the same prefetch lookahead (`disk_key`),
+    re-costed on `hw`. `announce()`, if given, is called before a compile."""
     key = capture_key(config, layers, batch, seq, slots, dtype, hw, options)
     if key in _CAPTURES:
         _CAPTURES.move_to_end(key)
         return _CAPTURES[key]
     on_disk = disk_key(config, layers, batch, seq, slots, dtype, hw, options)
     stored = disk_cache.read("plan", on_disk) if on_disk is not None else None
-    made = from_json(stored) if stored is not None else None
-    if made is None:
+    variants = stored if isinstance(stored, list) else []
+    made = next((c for c in map(from_json, variants)
+                 if c is not None and lookaheads(c, hw, slots) == {n: d.lookahead for n, d in c.directions.items()}),
+                None)
+    if made is not None:
+        made = recosted(made, hw)
+    else:
         if announce is not None:
             announce()
         made = _capture(config, layers, batch, seq, slots, dtype, hw, options)
-        if on_disk is not None:
-            disk_cache.write("plan", on_disk, to_json(made))
+        if on_disk is not None:   # (one variant per lookahead the profiles choose)
+            disk_cache.write("plan", on_disk, variants + [to_json(made)])
     _CAPTURES[key] = made
     while len(_CAPTURES) > _KEEP:
         _CAPTURES.popitem(last=False)
@@ -189,6 +200,22 @@ def body_costs(bodies: list, hw: Hardware) -> list[float]:
         if id(body) not in seconds:
             seconds[id(body)] = body_seconds(body, hw)
     return [seconds[id(body)] for body in bodies]
+
+
+def recosted(cap: Capture, hw: Hardware) -> Capture:
+    """`cap` with every segment's body seconds on `hw` (as `capture_prefix` costs them)."""
+    return dataclasses.replace(cap, directions={name: dataclasses.replace(d, seconds=d.seconds_on(hw))
+                                                for name, d in cap.directions.items()})
+
+
+def lookaheads(cap: Capture, hw: Hardware, slots: int) -> dict[str, int]:
+    """The prefetch lookahead the schedule pass would choose on `hw` for each direction of `cap`."""
+    out = {}
+    for name, d in recosted(cap, hw).directions.items():
+        costs = [SegmentCost(i.name, i.weight_nbytes, sum(i.grad_nbytes.values()), s)
+                 for i, s in zip(d.infos, d.seconds)]
+        out[name] = choose_lookahead(d.infos, costs, hw, slots) if slots > 1 else slots - 1
+    return out
 
 
 # -- the plan -------------------------------------------------------------------------------

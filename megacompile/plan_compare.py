@@ -15,7 +15,6 @@ memory differs).
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import textwrap
 import time
@@ -23,10 +22,8 @@ from dataclasses import dataclass
 
 from .errors import CannotFitError
 from .hardware import BUILTIN, Hardware
-from .passes.schedule import choose_lookahead
 from .plan import Plan, fmt_bytes, plan_model
-from .plan_capture import Capture, capture_prefix
-from .simulate import SegmentCost
+from .plan_capture import Capture, capture_prefix, lookaheads, recosted
 
 #: the host RAM sizes compared (as --host-ram spells them: decimal units)
 COMPARE_RAM = ("256G", "512G", "1T", "2T")
@@ -83,22 +80,6 @@ class PlanMemo:
         self.compiled += 1
         found.append((cap, hw))
         return cap
-
-
-def recosted(cap: Capture, hw: Hardware) -> Capture:
-    """`cap` with every segment's body seconds on `hw` (as plan.capture_prefix costs them)."""
-    return dataclasses.replace(cap, directions={name: dataclasses.replace(d, seconds=d.seconds_on(hw))
-                                                for name, d in cap.directions.items()})
-
-
-def lookaheads(cap: Capture, hw: Hardware, slots: int) -> dict[str, int]:
-    """The prefetch lookahead the schedule pass would choose on `hw` for each direction of `cap`."""
-    out = {}
-    for name, d in recosted(cap, hw).directions.items():
-        costs = [SegmentCost(i.name, i.weight_nbytes, sum(i.grad_nbytes.values()), s)
-                 for i, s in zip(d.infos, d.seconds)]
-        out[name] = choose_lookahead(d.infos, costs, hw, slots) if slots > 1 else slots - 1
-    return out
 
 
 # -- the rows -----------------------------------------------------------------------------------

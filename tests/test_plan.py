@@ -97,24 +97,33 @@ def test_a_second_plan_of_the_same_shape_compiles_nothing(config_json, tmp_path,
 
 def test_a_later_process_plans_from_the_compile_cache(config_json, captures_made, own_compile_cache, monkeypatch):
     """A capture is kept on disk (megacompile/disk_cache.py): a process with an empty memo plans
-    the same model from it without compiling, to the same plan; an entry cut short or made by
-    other code reads as a miss and is compiled again; MEGATRAIN_COMPILE_CACHE=off keeps nothing."""
+    the same model from it without compiling, to the same plan, on the same profile or on one
+    with other figures (a measured profile differs at every start) that chooses the same
+    lookahead, where it equals a plan compiled afresh; an entry cut short or made by other code
+    reads as a miss and is compiled again; MEGATRAIN_COMPILE_CACHE=off keeps nothing."""
+    import dataclasses
+
     from megacompile import disk_cache, plan_capture
     first = plan_model(str(config_json), **PLAN).to_dict()
     entries = sorted((own_compile_cache / "plan").glob("*.json"))
     assert captures_made == [2, 4] and len(entries) == 2
 
-    def new_process():
+    def new_process(**plan):
         monkeypatch.setattr(plan_capture, "_CAPTURES", type(plan_capture._CAPTURES)())
-        return plan_model(str(config_json), **PLAN).to_dict()
+        return plan_model(str(config_json), **{**PLAN, **plan}).to_dict()
     assert new_process()["batches"] == first["batches"] and captures_made == [2, 4]
+    h100 = PLAN["hardware"]
+    other = dataclasses.replace(h100, compute_tflops=h100.compute_tflops * 1.3, h2d_gbps=h100.h2d_gbps * 0.9,
+                                op_overhead_us=h100.op_overhead_us * 2)
+    recosted = new_process(hardware=other)["batches"]
+    assert captures_made == [2, 4] and recosted != first["batches"]
     entries[0].write_text(entries[0].read_text()[:100])   # (a crash mid-write: os.replace prevents it)
     assert new_process()["batches"] == first["batches"] and len(captures_made) == 3
     monkeypatch.setattr(disk_cache, "code_version", lambda: "a changed pass")
     assert new_process()["batches"] == first["batches"] and len(captures_made) == 5
     monkeypatch.setenv("MEGATRAIN_COMPILE_CACHE", "off")
     before = sorted(p.name for p in own_compile_cache.rglob("*.json"))
-    assert new_process()["batches"] == first["batches"] and len(captures_made) == 7
+    assert new_process(hardware=other)["batches"] == recosted and len(captures_made) == 7
     assert sorted(p.name for p in own_compile_cache.rglob("*.json")) == before
 
 
