@@ -7,9 +7,9 @@ and bytes to keep (the planner's prefix captures, plan_capture.py).
 
 An entry lives at `<folder>/<kind>/<sha256(code version, key)>.json` and holds its key's text, so a
 digest collision or a file cut short by a crash reads as a miss, never as another entry. The code
-version digests megatrain's own sources and the torch and transformers versions: a change to a
-pass, the runtime or the modeling code makes every older entry a miss. Entries are small (a few
-kB) and never evicted: delete the folder to reclaim the space.
+version digests megatrain's own sources and the torch, transformers and Triton versions: a
+change to a pass, the runtime or the modeling code makes every older entry a miss. Entries are
+small (a plan capture: about 5 kB) and never evicted: delete the folder to reclaim the space.
 
 The folder is $MEGATRAIN_COMPILE_CACHE, else `<cache root>/compile` (`cache_root`:
 $MEGATRAIN_CACHE, else ~/.cache/megatrain). MEGATRAIN_COMPILE_CACHE=off turns it off.
@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -50,11 +51,16 @@ def folder() -> Path | None:
 
 @functools.lru_cache(maxsize=1)
 def code_version() -> str:
-    """A digest of megatrain's sources and the torch / transformers versions (read once per
-    process: the sources cannot change under a running compile)."""
+    """A digest of megatrain's sources and the torch / transformers / Triton versions (read once
+    per process: the sources cannot change under a running compile)."""
     import torch
     import transformers
-    h = hashlib.sha256(f"{FORMAT} torch {torch.__version__} transformers {transformers.__version__}".encode())
+    try:   # (whether and which Triton is installed decides the kernels a GPU profile's graphs hold)
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    h = hashlib.sha256(f"{FORMAT} torch {torch.__version__} transformers {transformers.__version__} "
+                       f"triton {triton}".encode())
     for name in _PACKAGES:
         root = Path(importlib.import_module(name).__file__).parent
         for path in sorted(root.rglob("*.py")):
