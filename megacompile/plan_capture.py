@@ -53,6 +53,9 @@ class DirectionCosts:
     def seconds_on(self, hw: Hardware) -> list[float]:
         """Each segment's body seconds on `hw` (a profile that times ops needs the bodies)."""
         if hw.measure_ops:
+            if len(self.bodies) != len(self.infos):   # (read from the disk cache: costs, no graphs)
+                from .errors import InternalError
+                raise InternalError(f"a capture without its bodies cannot be timed on profile {hw.name!r}")
             return body_costs(self.bodies, hw)
         return [c.seconds(hw) for c in self.costs]
 
