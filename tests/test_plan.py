@@ -294,3 +294,24 @@ def test_optimizer_under_the_next_forward_delays_each_prefetch_until_its_update(
     assert overlapped(20.0) == pytest.approx(20.0 + body_s, rel=1e-3)
     with pytest.raises(ValueError, match="'backward' or 'forward'"):
         simulate(steps, costs, hw, optimizer_s_per_byte=1e-9, optimizer="sideways")
+
+
+def test_a_capture_read_back_from_json_is_the_capture_without_its_graphs():
+    """plan_capture.to_json / from_json: every field but the bodies' graphs comes back equal (the
+    seconds re-costed from the kept BodyCosts are the seconds of the graphs); timing it on a
+    profile that measures ops, which needs the graphs, is refused rather than costed as nothing."""
+    import dataclasses
+    import json as json_
+
+    from megacompile.errors import InternalError
+    from megacompile.plan_capture import capture_prefix, from_json, to_json
+    made = capture_prefix(tiny_config("llama"), 2, 2, 64, 2, torch.bfloat16, BUILTIN["h200"], {"logits": "drop"})
+    back = from_json(json_.loads(json_.dumps(to_json(made))))
+    assert back.batch == made.batch and back.attention_chunks == made.attention_chunks
+    for name, d in made.directions.items():
+        assert dataclasses.replace(back.directions[name], bodies=d.bodies) == d
+        for hw in (BUILTIN["h200"], BUILTIN["h100"]):
+            assert back.directions[name].seconds_on(hw) == d.seconds_on(hw)
+    with pytest.raises(InternalError, match="without its bodies"):
+        back.directions["forward"].seconds_on(dataclasses.replace(BUILTIN["h200"], measure_ops=True))
+    assert from_json({"batch": 2}) is None   # (another layout: a miss)
