@@ -9,6 +9,7 @@ import dataclasses
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,10 +79,16 @@ def capture_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw
     """What a capture depends on, as text: the model's configuration (less where it was loaded
     from), the prefix, the shape, the profile and the compile options. A value without a plain
     form is keyed by its repr, which for an object is its identity: never a wrong hit."""
+    return json.dumps(_key_parts(config, layers, batch, seq, slots, dtype, hw.to_dict(), options), sort_keys=True,
+                      default=repr)
+
+
+def _key_parts(config, layers: int, batch: int, seq: int, slots: int, dtype, profile, options) -> list:
+    """The parts of a capture's key, the profile as the caller keys it."""
     shape = config.to_dict()
     shape.pop("_name_or_path", None)
-    return json.dumps([shape, getattr(config, "_attn_implementation", None), layers, batch, seq, slots, str(dtype),
-                       hw.to_dict(), options], sort_keys=True, default=repr)
+    return [shape, getattr(config, "_attn_implementation", None), layers, batch, seq, slots, str(dtype), profile,
+            options]
 
 
 def disk_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> str | None:
@@ -95,10 +102,8 @@ def disk_key(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
     this machine's ops (its bodies are needed again for every profile)."""
     if hw.measure_ops or getattr(config, "auto_map", None):
         return None
-    shape = config.to_dict()
-    shape.pop("_name_or_path", None)
-    return disk_cache.key_text([shape, getattr(config, "_attn_implementation", None), layers, batch, seq, slots,
-                                str(dtype), "cpu" if hw.name == "cpu" else "gpu", options])
+    return disk_cache.key_text(_key_parts(config, layers, batch, seq, slots, dtype,
+                                          "cpu" if hw.name == "cpu" else "gpu", options))
 
 
 def to_json(capture: Capture) -> dict:
@@ -180,29 +185,25 @@ def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: H
                     saved[produced[a.name]] += value_bytes(a.meta.get("val"))
         layer = [s.group - 1 if 1 <= s.group <= num_layers else None for s in segs]
         bodies = [done.bodies[name] for name in done.body_of]
-        out[direction] = DirectionCosts(segs, body_costs(bodies, hw), layer, saved,
-                                        done.plan.peak_bytes if done.plan else 0,
-                                        done.plan.host_checkpoint_bytes if done.plan else 0,
-                                        bodies, done.schedule.lookahead, shared_costs(bodies))
+        costs = DirectionCosts(segs, [], layer, saved, done.plan.peak_bytes if done.plan else 0,
+                               done.plan.host_checkpoint_bytes if done.plan else 0, bodies,
+                               done.schedule.lookahead, per_body(bodies, body_cost))
+        out[direction] = dataclasses.replace(costs, seconds=costs.seconds_on(hw))
     return Capture(batch, out, program.attention_chunks)
 
 
-def shared_costs(bodies: list) -> list[BodyCost]:
-    """Each segment's BodyCost, a body shared by several segments counted once."""
-    costs: dict[int, BodyCost] = {}
+def per_body(bodies: list, fn) -> list:
+    """`fn(body)` for each segment's body, a body shared by several segments computed once."""
+    done: dict[int, Any] = {}
     for body in bodies:
-        if id(body) not in costs:
-            costs[id(body)] = body_cost(body)
-    return [costs[id(body)] for body in bodies]
+        if id(body) not in done:
+            done[id(body)] = fn(body)
+    return [done[id(body)] for body in bodies]
 
 
 def body_costs(bodies: list, hw: Hardware) -> list[float]:
     """Each segment's body seconds on `hw`, a body shared by several segments costed once."""
-    seconds: dict[int, float] = {}
-    for body in bodies:
-        if id(body) not in seconds:
-            seconds[id(body)] = body_seconds(body, hw)
-    return [seconds[id(body)] for body in bodies]
+    return per_body(bodies, lambda body: body_seconds(body, hw))
 
 
 def recosted(cap: Capture, hw: Hardware) -> Capture:
