@@ -49,8 +49,7 @@ def pass_names() -> tuple[str, ...]:
     return pipelines.pass_names()
 
 
-_BOOL_OPTIONS = ("debug_residency", "recompute_head", "routed_experts", "overlap_grads", "host_arena", "debug_passes",
-                 "layer_regions")
+_BOOL_OPTIONS = ("debug_residency", "recompute_head", "routed_experts", "overlap_grads", "host_arena", "debug_passes")
 #: string options: each accepted value and what it means (None: nothing to add)
 _CHOICES = {
     "recompute": {"layer": "least memory", "selective": "keep matmul/attention outputs, recompute only "
@@ -59,6 +58,7 @@ _CHOICES = {
     "logits": {"keep": "return the logits", "drop": "fused LM head + loss, logits=None in the output"},
     "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
     "dynamo_regions": {"auto": "when the decoder has 8 layers or more", "always": None, "never": None},
+    "layer_regions": {"auto": "when the decoder has 3 layers more than layer kinds", "always": None, "never": None},
     "offload_checkpoints": {"auto": "when the step does not fit device_budget with them on the device",
                             "always": None, "never": None},
     "reload_checkpoints": {"auto": "ahead, unless the step does not fit device_budget otherwise",
@@ -93,6 +93,8 @@ def _checked(name: str, value):
         if not isinstance(value, bool):
             raise _bad(name, value, "True or False")
         return value
+    if name == "layer_regions" and isinstance(value, bool):   # (its values before "auto")
+        value = "always" if value else "never"
     if name in _CHOICES:
         if not isinstance(value, str) or value not in _CHOICES[name]:
             raise _bad(name, value, _one_of(_CHOICES[name]))
@@ -272,9 +274,11 @@ class Options:
     #: Trace each decoder-layer kind once (passes/layer_subgraphs.py): AOTAutograd differentiates
     #: and partitions one subgraph per kind instead of the whole depth (tiny Llama at 64 layers:
     #: first step 37 s -> 17 s). Where a region cannot be formed (shared blocks, mode switches,
-    #: random ops, recompute: selective) the whole graph is traced, and the log says why; False
-    #: always traces the whole graph.
-    layer_regions: bool = True
+    #: random ops, recompute: selective) the whole graph is traced, and the log says why. "auto":
+    #: when the decoder has at least 3 layers more than it has kinds (below that a region's own
+    #: trace costs what the layers it saves would: a 2-layer Llama's first step takes 2.0 s with
+    #: them and 1.7 s without); "always", "never" (True and False mean these two).
+    layer_regions: str = "auto"
     #: Dynamo traces each decoder-layer kind once (megacompile/dynamo_regions.py): each layer's
     #: forward becomes a compile region keyed by its kind, and passes/inline_dynamo_regions.py puts
     #: the calls back in line, so the passes see the whole-depth graph. Where a layer's trace reads

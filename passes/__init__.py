@@ -108,7 +108,7 @@ class PassContext:
     logits: str = "keep"                # "drop": LM head + loss fused, no logits returned (fused_lm_loss)
     mlp_tiles: Any = "auto"             # MLP sequence tiles: an int, or "auto" (tile_mlp)
     reload_checkpoints: str = "ahead"   # offloaded checkpoints back "ahead" or "late" (offload_checkpoints)
-    layer_regions: bool = True          # cut decoder layers into one subgraph per kind (layer_subgraphs)
+    layer_regions: str = "auto"         # one subgraph per layer kind: auto/always/never (layer_subgraphs)
     data_parallel: int = 1              # ranks sharing one host copy of the state (data_parallel)
     data_parallel_nodes: int = 1        # nodes holding a replica each (data_parallel)
     disabled: tuple[str, ...] = ()

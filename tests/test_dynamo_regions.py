@@ -21,7 +21,7 @@ from megacompile.backend import programs_of
 from megacompile.errors import ConfigError
 from megacompile.options import Options
 
-ON = {"dynamo_regions": "always"}
+ON = {"dynamo_regions": "always", "layer_regions": "always"}
 
 
 def named_layout(program) -> dict:

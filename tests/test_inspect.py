@@ -253,7 +253,7 @@ def test_capture_returns_the_graphs_outputs_without_running_the_layers(monkeypat
         return result
     monkeypatch.setattr(inspect, "megatrain_backend", backend)
     model = inspect.build_model_from_config(tiny_config("llama", layers=3), None, torch.float32)
-    program = inspect.capture_program(model, batch=2, seq=16, slots=2)
+    program = inspect.capture_program(model, batch=2, seq=16, slots=2, options={"layer_regions": "always"})
     assert graphs and program.layer_regions.kinds   # (the graph had layer-kind calls)
     out = next(n for n in graphs[0].graph.nodes if n.op == "output")
     vals = [a.meta["example_value"] for a in out.args[0] if isinstance(a, torch.fx.Node)]

@@ -26,7 +26,7 @@ from megacompile.backend import programs_of
 from megacompile.inspect import build_model_from_config, capture_program
 
 FLAT = {"disable_passes": ["layer_subgraphs"]}
-REGIONS = {"layer_regions": True}
+REGIONS = {"layer_regions": "always"}
 
 
 def layout(program) -> dict:
@@ -47,9 +47,9 @@ def layout(program) -> dict:
     return out
 
 
-def capture(name: str, options: dict | None = None):
+def capture(name: str, options: dict | None = None, **overrides):
     fam = FAMILIES[name]
-    config = AutoConfig.for_model(fam.model_type, **{**COMMON, **fam.overrides})
+    config = AutoConfig.for_model(fam.model_type, **{**COMMON, **fam.overrides, **overrides})
     config.use_cache = False
     model = build_model_from_config(config, None, torch.float32)
     return capture_program(model, batch=2, seq=16, slots=2, options=options)
@@ -90,8 +90,13 @@ def test_the_regional_trace_gives_the_whole_graph_program_for_every_family(name)
 
 def test_why_a_graph_stays_flat_is_recorded():
     assert "recompute='selective'" in capture("llama", {"recompute": "selective", **REGIONS}).layer_regions.off
-    assert capture("llama", {"layer_regions": False}).layer_regions.off == "option layer_regions=False"
-    assert capture("llama").layer_regions.off == ""   # (on by default)
+    assert capture("llama", {"layer_regions": False}).layer_regions.off == "option layer_regions='never'"
+    # "auto" (the default) forms them where they save 3 layer traces or more
+    assert capture("llama").layer_regions.off == ("layer_regions='auto': 2 decoder layer(s) of 1 kind(s) save fewer "
+                                                  "than 3 traces")
+    assert "3 decoder layer(s) of 2 kind(s)" in capture("gemma3_text").layer_regions.off
+    deep = capture("llama", num_hidden_layers=4).layer_regions
+    assert deep.off == "" and list(deep.kinds.values()) == [[1, 2, 3, 4]]
 
 
 def _step(model, ids, labels, options):
