@@ -22,6 +22,12 @@ def saved_for_backward(layers, b=2, s=8, family="llama", **options):
     return model, weights, activations
 
 
+#: two depths compared must take the same path: layer_regions="auto" traces a 2-layer model whole
+#: and a 5-layer one by layer kind, whose prologues may keep different rotary values
+#: (test_layer_regions.py)
+REGIONS = {"layer_regions": "always"}
+
+
 def is_rng_state(n) -> bool:
     """A saved RNG state (to replay a dropout mask): its size is an unbacked symbol. The whole-graph
     partition names it rng_state_output_*, a layer kind's subgraph returns it as a getitem."""
@@ -42,8 +48,8 @@ def test_only_boundary_hidden_states_are_saved():
 
 def test_head_saves_do_not_depend_on_depth():
     """By default the min-cut decides what the head keeps; that set must not grow with depth."""
-    _, _, a2 = saved_for_backward(layers=2)
-    _, _, a5 = saved_for_backward(layers=5)
+    _, _, a2 = saved_for_backward(layers=2, **REGIONS)
+    _, _, a5 = saved_for_backward(layers=5, **REGIONS)
     non_layer = lambda acts: sorted(str(tuple(n.meta["val"].shape)) for n in acts  # noqa: E731
                                     if isinstance(n.meta.get("val"), torch.Tensor)
                                     and tuple(n.meta["val"].shape) != (2, 8, 32)
@@ -65,8 +71,8 @@ def test_weights_are_saved_as_primals_not_derived_views(family):
 
 
 def test_saved_activations_grow_by_one_boundary_per_layer():
-    _, _, a3 = saved_for_backward(layers=3)
-    _, _, a9 = saved_for_backward(layers=9)
+    _, _, a3 = saved_for_backward(layers=3, **REGIONS)
+    _, _, a9 = saved_for_backward(layers=9, **REGIONS)
 
     rng_bytes = torch.get_rng_state().numel()  # RNG state sizes are unbacked symbols in the graph
 
@@ -79,6 +85,6 @@ def test_saved_activations_grow_by_one_boundary_per_layer():
     # one hidden state (segment attention is deterministic: no RNG state saved for its recompute,
     # as SDPA's dropout path saves; with attention="transformers" the RNG state is saved too)
     assert per_layer == boundary
-    _, _, t3 = saved_for_backward(layers=3, attention="transformers")
-    _, _, t9 = saved_for_backward(layers=9, attention="transformers")
+    _, _, t3 = saved_for_backward(layers=3, attention="transformers", **REGIONS)
+    _, _, t9 = saved_for_backward(layers=9, attention="transformers", **REGIONS)
     assert (nbytes(t9) - nbytes(t3)) / 6 == boundary + rng_bytes
