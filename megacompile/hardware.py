@@ -345,15 +345,24 @@ def host_memory_bytes() -> int:
 def measure_cpu(dtype: torch.dtype = torch.float32) -> Hardware:
     """Measure this machine as the "device" megatrain runs on without an accelerator.
 
-    compute: a 1024^3 matmul in `dtype`; memory: an out-of-place add over 64 MiB tensors (read
-    2, write 1); transfer: a 64 MiB copy (what a CPU "prefetch" is); op overhead: a dispatched
+    compute: an n^3 matmul in `dtype`, n doubled from 256 to at most 1024 while one takes under
+    10 ms (a CPU without fp16 kernels takes 4.5 s for one 1024^3 fp16 matmul and 14 ms at 256, so
+    the probe stays short; its figure is then the smaller matmul's); memory: an out-of-place add
+    over 64 MiB tensors (read 2, write 1); transfer: a 64 MiB copy (what a CPU "prefetch" is); op overhead: a dispatched
     aten op on a tiny tensor; host memory bandwidth and the optimizer: `host_probe.probed_host()`
     (copy, triad and update bandwidth and the host AdamW kernel's parameters/s on the cores this
     process may use). Device memory: the host RAM this process can use (`host_memory_bytes`).
     Takes about two seconds; cached per process.
     """
-    n = 1024
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        torch.mm(a, b)   # (warm up)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        if n >= 1024 or time.perf_counter() - t0 >= 0.01:
+            break
+        n *= 2
     t_mm = _best_of(lambda: torch.mm(a, b), 5)
     big = 16 * 2**20  # fp32 elements: 64 MiB
     x, y, z = torch.ones(big), torch.ones(big), torch.empty(big)
