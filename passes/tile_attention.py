@@ -410,8 +410,9 @@ def tile_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     attentions = [n for n in gm.graph.nodes if _is_attention(n)]
     layers = _layer_nodes(gm, attentions)
     counts = []
+    order = _order(gm.graph)   # (made again only after a chunk adds nodes: one walk per layer was O(depth^2))
     for a in attentions:
-        head = _head_of(gm, a, layers.get(a, set()))
+        head = _head_of(gm, a, layers.get(a, set()), order)
         if head is None:
             continue
         h0, dim = head.h0, head.dims.of[head.h0]
@@ -427,6 +428,7 @@ def tile_attention(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if min(tiles, seq) > 1:
             chunk(gm, head, dim, min(tiles, seq))
             counts.append(min(tiles, seq))
+            order = _order(gm.graph)
     if counts:
         gm.graph.lint()
         gm.recompile()
@@ -445,7 +447,7 @@ def _layer_nodes(gm: fx.GraphModule, attentions: list[fx.Node]) -> dict[fx.Node,
     return {a: members[p] for a, p in layer_of.items()}
 
 
-def _head_of(gm: fx.GraphModule, a: fx.Node, layer: set[fx.Node]) -> Head | None:
+def _head_of(gm: fx.GraphModule, a: fx.Node, layer: set[fx.Node], order: dict) -> Head | None:
     """The Head of attention `a`: its chain runs (one reader each) to the [b, s, h'] value an
     output projection (or tile_mlp's split for one) reads; its head starts at the layer's input,
     one of the [b, s, h] values the layer reads from outside."""
@@ -458,7 +460,6 @@ def _head_of(gm: fx.GraphModule, a: fx.Node, layer: set[fx.Node]) -> Head | None
     if attn is a or _val(attn) is None or _val(attn).dim() != 3:
         log.debug("tile_attention: %s keeps its whole attention: no [b, s, h'] value after it", a.name)
         return None
-    order = _order(gm.graph)
     rows = tuple(_val(attn).shape[:2])
     outside = {x for n in layer for x in n.all_input_nodes if x not in layer}
     why = "it reads no [b, s, h] value from outside its layer"
