@@ -58,7 +58,8 @@ _CHOICES = {
     "logits": {"keep": "return the logits", "drop": "fused LM head + loss, logits=None in the output"},
     "lowering": {"auto": "measured per body on CUDA", "eager": None, "inductor": None},
     "dynamo_regions": {"auto": "when the decoder has 8 layers or more", "always": None, "never": None},
-    "layer_regions": {"auto": "when the decoder has 3 layers more than layer kinds", "always": None, "never": None},
+    "layer_regions": {"auto": "when the decoder has at least 3 more layers than layer kinds", "always": None,
+                      "never": None},
     "offload_checkpoints": {"auto": "when the step does not fit device_budget with them on the device",
                             "always": None, "never": None},
     "reload_checkpoints": {"auto": "ahead, unless the step does not fit device_budget otherwise",
@@ -275,7 +276,7 @@ class Options:
     #: and partitions one subgraph per kind instead of the whole depth (tiny Llama at 64 layers:
     #: first step 37 s -> 17 s). Where a region cannot be formed (shared blocks, mode switches,
     #: random ops, recompute: selective) the whole graph is traced, and the log says why. "auto":
-    #: when the decoder has at least 3 layers more than it has kinds (below that a region's own
+    #: when the decoder has at least 3 more layers than it has kinds (below that a region's own
     #: trace costs what the layers it saves would: a 2-layer Llama's first step takes 2.0 s with
     #: them and 1.7 s without); "always", "never" (True and False mean these two).
     layer_regions: str = "auto"

@@ -23,7 +23,9 @@ from families import COMMON, FAMILIES
 from random_stacks import VOCAB, RandomStack, stack_specs
 
 from megacompile.backend import programs_of
+from megacompile.errors import ConfigError
 from megacompile.inspect import build_model_from_config, capture_program
+from megacompile.options import Options
 
 FLAT = {"disable_passes": ["layer_subgraphs"]}
 REGIONS = {"layer_regions": "always"}
@@ -97,6 +99,10 @@ def test_why_a_graph_stays_flat_is_recorded():
     assert "3 decoder layer(s) of 2 kind(s)" in capture("gemma3_text").layer_regions.off
     deep = capture("llama", num_hidden_layers=4).layer_regions
     assert deep.off == "" and list(deep.kinds.values()) == [[1, 2, 3, 4]]
+    # (True and False, its values before "auto", still mean always and never)
+    assert [Options.from_mapping({"layer_regions": v}).layer_regions for v in (True, False)] == ["always", "never"]
+    with pytest.raises(ConfigError, match=r"option layer_regions='sometimes' \(str\): expected 'auto' \(when"):
+        Options.from_mapping({"layer_regions": "sometimes"})
 
 
 def _step(model, ids, labels, options):
