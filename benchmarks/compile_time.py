@@ -5,6 +5,7 @@
     python benchmarks/compile_time.py --layers 8 --lowering inductor --cold-warm
     python benchmarks/compile_time.py --phases --layers 2 64 128   # where the first step's time goes
     python benchmarks/compile_time.py --phases --dynamo-regions always   # Dynamo traces each layer kind once
+    python benchmarks/compile_time.py --phases --layers 2 4 --layer-regions always   # (or never; default auto)
     python benchmarks/compile_time.py --two-lengths --layers 2 16   # two sequence lengths: one compile or two
 
 For each depth: the seconds of the first forward + backward through
@@ -59,7 +60,8 @@ class _Timed:
         setattr(self.module, self.name, self.fn)
 
 
-def phases(layers: int, lowering: str = "eager", dynamo_regions: str = "never") -> dict[str, float]:
+def phases(layers: int, lowering: str = "eager", dynamo_regions: str = "never",
+           layer_regions: str = "auto") -> dict[str, float]:
     """The first step's seconds by phase: Dynamo's own tracing, AOTAutograd's metadata pass and
     joint trace, torch's min-cut partition, megatrain's pass pipelines (joint + forward +
     backward), the rest of the compile (AOT's wrappers, the store, the program), and the step."""
@@ -69,7 +71,8 @@ def phases(layers: int, lowering: str = "eager", dynamo_regions: str = "never") 
     compilation_time_metrics.clear()
     model = tiny_model("llama", layers=layers)
     cmodel = torch.compile(model, backend="megatrain", options={"device": "cpu", "lowering": lowering,
-                                                                "dynamo_regions": dynamo_regions})
+                                                                "dynamo_regions": dynamo_regions,
+                                                                "layer_regions": layer_regions})
     ids, mask, labels = batch(2, 16)
     with _Timed(backend, "run_pipeline") as passes, _Timed(backend, "min_cut_rematerialization_partition") as cut:
         t0 = time.perf_counter()
@@ -103,8 +106,9 @@ def two_lengths(layers: int, marked: bool, dynamo_regions: str = "auto") -> tupl
     return seconds[0], seconds[1]
 
 
-def first_step(layers: int, lowering: str = "eager", dynamo_regions: str = "never") -> tuple[float, float]:
-    p = phases(layers, lowering, dynamo_regions)
+def first_step(layers: int, lowering: str = "eager", dynamo_regions: str = "never",
+               layer_regions: str = "auto") -> tuple[float, float]:
+    p = phases(layers, lowering, dynamo_regions, layer_regions)
     return p["total"], p["dynamo"]
 
 
@@ -133,6 +137,8 @@ def main() -> None:
     ap.add_argument("--dynamo-regions", default="never", choices=["never", "always", "auto"],
                     help="Dynamo traces each decoder-layer kind once (option dynamo_regions; default never here, "
                          "to show the whole trace)")
+    ap.add_argument("--layer-regions", default="auto", choices=["never", "always", "auto"],
+                    help="AOTAutograd traces each decoder-layer kind once (option layer_regions)")
     ap.add_argument("--two-lengths", action="store_true",
                     help="two steps of different lengths: as given (two compiles) and marked dynamic (one)")
     ap.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
@@ -151,7 +157,7 @@ def main() -> None:
     if args.phases:
         names = None
         for n in args.layers:
-            runs = [phases(n, args.lowering, args.dynamo_regions) for _ in range(args.repeat)]
+            runs = [phases(n, args.lowering, args.dynamo_regions, args.layer_regions) for _ in range(args.repeat)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             if names is None:
                 names = list(med)
@@ -165,7 +171,7 @@ def main() -> None:
         if args.cold_warm:
             cold_warm(n, args.lowering)
             continue
-        runs = [first_step(n, args.lowering, args.dynamo_regions) for _ in range(args.repeat)]
+        runs = [first_step(n, args.lowering, args.dynamo_regions, args.layer_regions) for _ in range(args.repeat)]
         print(f"{n:>6} {statistics.median(r[0] for r in runs):>13.2f} {statistics.median(r[1] for r in runs):>9.2f}",
               flush=True)
 

@@ -45,8 +45,10 @@ from .layer_regions import module_fqn
 #: Dynamo graph targets whose position relative to a layer's nodes changes what the layer computes
 _MODE_SWITCHES = {"set_grad_enabled", "enter_autocast", "exit_autocast", "set_autocast_enabled", "inference_mode"}
 #: option layer_regions="auto" forms regions when they save at least this many layer traces (layers
-#: less kinds): a region's own trace costs about two layers' (tiny Llama, first step: 2 layers 2.0 s
-#: with regions and 1.7 s without, 3 layers 2.5 s either way, 4 layers 2.4 s against 3.2 s)
+#: less kinds): a region's own trace costs about what two or three layers' do (tiny Llama, first
+#: step with regions against without, `benchmarks/compile_time.py --phases --layer-regions
+#: always|never`, median of 3: 2 layers 2.51 s / 2.31 s, 3 layers 2.72 / 2.53, 4 layers 2.91-3.68 /
+#: 3.33-3.76 in two runs, 6 layers 3.43 / 4.89, 8 layers 3.68 / 5.26)
 AUTO_MIN_SAVED = 3
 _RANDOM = ("dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "poisson")
 
