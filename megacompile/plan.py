@@ -330,6 +330,12 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     in_store = sum(p.numel() for p in store_parameters(model) if p.requires_grad)
     _, kinds = layer_kinds(model, config)
     del model
+    if "layer_regions" not in options:
+        # the prefix takes the path the whole model's compile takes (layer_subgraphs' auto rule):
+        # the whole-graph partition may keep other rotary values than the regional one, and at 1M
+        # tokens those are a GiB
+        from .passes.layer_subgraphs import AUTO_MIN_SAVED
+        options = {**options, "layer_regions": "always" if len(kinds) - len(set(kinds)) >= AUTO_MIN_SAVED else "never"}
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
     if device_type == "cpu":  # the CPU plays the device: its bytes come out of the same RAM
         capacity = max(0, host_ram - host.total)
