@@ -333,7 +333,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     if "layer_regions" not in options:
         # the prefix takes the path the whole model's compile takes (layer_subgraphs' auto rule):
         # the whole-graph partition may keep other rotary values than the regional one, and at 1M
-        # tokens those are a GiB
+        # tokens cos and sin (tokens x head dim each) are hundreds of MiB
         from .passes.layer_subgraphs import AUTO_MIN_SAVED
         options = {**options, "layer_regions": "always" if len(kinds) - len(set(kinds)) >= AUTO_MIN_SAVED else "never"}
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
