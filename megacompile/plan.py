@@ -334,8 +334,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         # the prefix takes the path the whole model's compile takes (layer_subgraphs' auto rule):
         # the whole-graph partition may keep other rotary values than the regional one, and at 1M
         # tokens cos and sin (tokens x head dim each) are hundreds of MiB
-        from .passes.layer_subgraphs import AUTO_MIN_SAVED
-        options = {**options, "layer_regions": "always" if len(kinds) - len(set(kinds)) >= AUTO_MIN_SAVED else "never"}
+        from .passes.layer_subgraphs import regions_pay
+        options = {**options, "layer_regions": "always" if regions_pay(len(kinds), len(set(kinds))) else "never"}
     prefix_len = max(min(2, len(kinds)), max(kinds.index(k) for k in set(kinds)) + 1)
     if device_type == "cpu":  # the CPU plays the device: its bytes come out of the same RAM
         capacity = max(0, host_ram - host.total)

@@ -53,6 +53,11 @@ AUTO_MIN_SAVED = 3
 _RANDOM = ("dropout", "rand", "bernoulli", "normal", "uniform", "multinomial", "poisson")
 
 
+def regions_pay(layers: int, kinds: int) -> bool:
+    """Whether layer_regions="auto" forms regions for `layers` decoder layers of `kinds` kinds."""
+    return layers - kinds >= AUTO_MIN_SAVED
+
+
 def _switch(target) -> bool:
     """A grad-mode or autocast switch, or a functorch transform level (vmap's batch dims: Mamba's
     scan): a subgraph cut out from between them would run outside them."""
@@ -206,7 +211,7 @@ def layer_subgraphs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cuts = {group: _cut(gm, by_group[group], layer_fqn(ctx.module_groups, group))
             for group in range(1, ctx.num_groups - 1)}
     distinct = len({cut[3] for cut in cuts.values()})
-    if ctx.layer_regions == "auto" and len(cuts) - distinct < AUTO_MIN_SAVED:
+    if ctx.layer_regions == "auto" and not regions_pay(len(cuts), distinct):
         record.off = (f"layer_regions='auto': {len(cuts)} decoder layer(s) of {distinct} kind(s) save fewer than "
                       f"{AUTO_MIN_SAVED} traces")
         return gm
