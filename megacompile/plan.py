@@ -343,12 +343,25 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         capacity = int(hardware.device_memory_gib * GiB * (1 - DEVICE_RESERVE_FRACTION)) - DEVICE_RESERVE_BYTES
     capacity = max(0, capacity - vision_bytes)   # a VLM's vision side stays on the device
     _check_floor(config, seq, dtype, capacity, source)   # (before the compile: seconds, not minutes)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        caps = [capture(b, options, "") for b in (2, 4)]
-    m = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
-
-    m, options, checkpoints_on_host = choose_memory(m, options, capacity, capture, config, seq)
+    m = one_batch = None
+    if batch is not None and max_batch == batch:
+        # A plan of one batch (the train preflight): captured at that batch, exact there and with
+        # nothing to extrapolate. Where it fits as it is, the memory choices (which act only when
+        # batch 1 does not fit) choose nothing; otherwise the plan goes on from batch 2 and 4, so a
+        # refusal says what would fit exactly as a whole plan does.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            at = capture(batch, options, "")
+        one_batch = PrefixModel(kinds, prefix_len, at, at, hardware)
+        if one_batch.device_peak(batch) <= capacity:
+            m, checkpoints_on_host = one_batch, options.get("offload_checkpoints") == "always"
+            m.checked[batch] = m.device_peak(batch)
+    if m is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            caps = [capture(b, options, "") for b in (2, 4)]
+        m = PrefixModel(kinds, prefix_len, caps[0], caps[1], hardware)
+        m, options, checkpoints_on_host = choose_memory(m, options, capacity, capture, config, seq)
 
     lookahead, weights_at_peak = {}, 0
     for direction in ("forward", "backward"):
@@ -383,7 +396,7 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         # (the overlap runs on the last micro-batch; the ones before it are plain forwards + backwards)
         before = (accum - 1) * (times["forward"] + times["backward"]) + exposed
         return BatchEstimate(b, m.device_peak(b), times["forward"], times["backward"], opt,
-                             captured=b in (2, 4) or b in m.checked,
+                             captured=b in (m.a.batch, m.b.batch) or b in m.checked,
                              overlap_backward_seconds=_plus(overlapped.get("backward"), before),
                              overlap_forward_seconds=_plus(overlapped.get("forward"), before),
                              host_checkpoint_bytes=m.host_checkpoints(b), accum=accum, ssd_seconds=io,
@@ -396,9 +409,11 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
     p1, p2 = m.device_peak(1), m.device_peak(2)
     slope = max(1, p2 - p1)
     fit = 0 if p1 > capacity else min(max_batch, 1 + (capacity - p1) // slope)
+    if m is one_batch:
+        fit = batch
     anchor_b, anchor_p = 4, m.device_peak(4)
     for _ in range(4):
-        if fit <= anchor_b:
+        if m is one_batch or fit <= anchor_b:   # (one batch: captured, and it fits)
             break
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -411,6 +426,8 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
         # (fit > 4 was reached only because batch 4 fits, so it stays a safe lower bound)
         fit = max(anchor_b, min(fit - 1, anchor_b + (capacity - anchor_p) // slope))
     candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
+    if m is one_batch:   # (its figures hold at that batch alone)
+        candidates = [batch]
     batches = [estimate(b) for b in candidates]
     fitting = [b for b in batches if b.device_peak_bytes <= capacity
                and host.total + b.host_checkpoint_bytes <= host_ram]

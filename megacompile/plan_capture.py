@@ -225,7 +225,8 @@ def lookaheads(cap: Capture, hw: Hardware, slots: int) -> dict[str, int]:
 # -- the plan -------------------------------------------------------------------------------
 
 class PrefixModel:
-    """The captured prefix at two batch sizes, extrapolated to any batch and the full depth."""
+    """The captured prefix at two batch sizes, extrapolated to any batch and the full depth (or at
+    one batch, `a` is `b`: its figures at that batch and the full depth)."""
 
     def __init__(self, full_kinds: list[int], prefix_len: int, a: Capture, b: Capture, hw: Hardware):
         self.kinds, self.k, self.a, self.b, self.hw = full_kinds, prefix_len, a, b, hw
@@ -237,6 +238,8 @@ class PrefixModel:
         self.rep = [i if i < prefix_len else rep[full_kinds[i]] for i in range(len(full_kinds))]
 
     def _lerp(self, x: float, y: float, batch: int) -> float:
+        if self.a.batch == self.b.batch:   # (one capture: its figures, at its batch only)
+            return x
         return x + (y - x) * (batch - self.a.batch) / (self.b.batch - self.a.batch)
 
     def expand(self, direction: str, batch: int) -> tuple[list, list[SegmentCost]]:

@@ -64,6 +64,27 @@ def test_largest_batch_is_the_edge_of_the_device(config_json, tmp_path):
     assert not over.fits and f"largest batch that fits is {plan.max_batch}" in over.problems[0]
 
 
+def test_a_plan_of_one_batch_compiles_it_once_and_goes_on_where_it_does_not_fit(config_json, tmp_path,
+                                                                               captures_made):
+    """The train preflight plans one batch (batch = max_batch): one capture at that batch, whose
+    peak is the whole plan's captured figure there. A batch that does not fit goes on to the
+    whole plan's captures, and is refused with the whole plan's words (the largest batch that fits)."""
+    profile = tmp_path / "small_gpu.json"
+    profile.write_text(json.dumps({"name": "small", "compute_tflops": 100, "h2d_gbps": 20, "d2h_gbps": 20,
+                                   "device_memory_gib": 1.12, "host_memory_gbps": 50}))
+    hw = load_hardware(str(profile))
+    one = plan_model(str(config_json), hardware=hw, host_ram=2**36, seq=2048, batch=4, max_batch=4)
+    assert captures_made == [4] and one.fits and [b.batch for b in one.batches] == [4] and one.batches[0].captured
+    whole = plan_model(str(config_json), hardware=hw, host_ram=2**36, seq=2048)
+    assert captures_made[:2] == [4, 2] and 4 not in captures_made[1:]   # (batch 4 from the memo)
+    assert one.batches[0].device_peak_bytes == next(b for b in whole.batches if b.batch == 4).device_peak_bytes
+    over = whole.max_batch + 1
+    del captures_made[:]
+    refused = plan_model(str(config_json), hardware=hw, host_ram=2**36, seq=2048, batch=over, max_batch=over)
+    assert captures_made[0] == over and not refused.fits
+    assert refused.problems == plan_model(str(config_json), hardware=hw, host_ram=2**36, seq=2048, batch=over).problems
+
+
 @pytest.fixture
 def captures_made(monkeypatch, own_compile_cache):
     """The batch of every prefix capture compiled from here on, with an empty in-process memo
