@@ -16,7 +16,10 @@
 // a programming error, never a disk error.
 //
 // Nothing here is process-wide: every queue, thread, ticket and counter belongs to one Engine.
-#include <torch/extension.h>
+// pybind11 alone: the engine takes addresses, never tensors, and torch/extension.h (all of ATen)
+// would take most of the build
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -30,12 +33,25 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
 
 namespace {
+
+// TORCH_CHECK's contract without its headers: a false condition raises RuntimeError (pybind11
+// translates std::runtime_error) whose text is the parts, concatenated
+template <typename... Parts>
+void check(bool ok, const Parts&... parts) {
+  if (!ok) {
+    std::ostringstream text;
+    (text << ... << parts);
+    throw std::runtime_error(text.str());
+  }
+}
 
 constexpr int64_t kAlign = 4096;
 constexpr int kStatusPending = -1;   // a ticket's status: pending, 0 (done) or the errno it failed with
@@ -106,8 +122,8 @@ class Engine {
                                               bool simulate_einval) {
     owned();
     std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(!closed_, "tier_io: the engine is closed");
-    TORCH_CHECK(size >= 0 && size % kAlign == 0, "tier_io: a file size must be a multiple of 4096");
+    check(!closed_, "tier_io: the engine is closed");
+    check(size >= 0 && size % kAlign == 0, "tier_io: a file size must be a multiple of 4096");
     auto file = std::make_unique<File>();
     file->path = path;
     file->size = size;
@@ -151,10 +167,10 @@ class Engine {
   int64_t submit(int64_t file, bool write, int64_t offset, int64_t address, int64_t nbytes) {
     owned();
     std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(!closed_, "tier_io: the engine is closed");
-    TORCH_CHECK(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
+    check(!closed_, "tier_io: the engine is closed");
+    check(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
     File& f = *files_[file];
-    TORCH_CHECK(offset >= 0 && nbytes >= 0 && offset % kAlign == 0 && nbytes % kAlign == 0 &&
+    check(offset >= 0 && nbytes >= 0 && offset % kAlign == 0 && nbytes % kAlign == 0 &&
                     address % kAlign == 0 && offset + nbytes <= f.size,
                 "tier_io: a request must be 4096-aligned (offset, size, address) and inside its file");
     const int64_t ticket = next_ticket_++;
@@ -173,7 +189,7 @@ class Engine {
   std::tuple<int, int64_t, int64_t, int64_t, bool> wait(int64_t ticket) {
     owned();
     std::unique_lock<std::mutex> lock(mu_);
-    TORCH_CHECK(ticket >= 0 && ticket < next_ticket_, "tier_io: no request has ticket ", ticket);
+    check(ticket >= 0 && ticket < next_ticket_, "tier_io: no request has ticket ", ticket);
     auto it = tickets_.find(ticket);
     if (it == tickets_.end()) return {0, 0, 0, 0, false};
     done_->wait(lock, [&] {
@@ -297,7 +313,7 @@ class Engine {
   void inject(int64_t file, int64_t after_bytes, int error, int64_t delay_us) {
     owned();
     std::lock_guard<std::mutex> lock(mu_);
-    TORCH_CHECK(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
+    check(file >= 0 && file < static_cast<int64_t>(files_.size()), "tier_io: no file ", file);
     File& f = *files_[file];
     f.inject_error = error;
     f.inject_at = f.moved + after_bytes;
@@ -308,7 +324,7 @@ class Engine {
   // Every method but close() refuses to run in a forked child (its mutex may have been copied locked, and
   // no worker would serve a request).
   void owned() const {
-    TORCH_CHECK(::getpid() == owner_, "tier_io: this engine belongs to process ", owner_,
+    check(::getpid() == owner_, "tier_io: this engine belongs to process ", owner_,
                 "; a forked child cannot use it");
   }
 
