@@ -24,6 +24,7 @@ segment (its readers and its chain carry one `mt_rank`). It runs on the backward
 from __future__ import annotations
 
 import bisect
+import collections
 import operator
 
 import torch
@@ -148,7 +149,7 @@ def _chain(v: fx.Node, order: _Order, at: float, rank) -> list[fx.Node] | None:
 
 
 def _late_readers(v: fx.Node, order: _Order) -> list[tuple[fx.Node, fx.Node]] | None:
-    readers = sorted(_readers(v), key=lambda ra: order.pos[ra[0]])
+    readers = sorted(_readers(v), key=lambda ra: ra[0])   # (graph order: copies share a position in `order`)
     if len(readers) < 2 or any(r.op == "output" or r.meta.get(RANK) != v.meta.get(RANK) for r, _ in readers):
         return None
     gaps = [order.between(order.pos[a], order.pos[b], v.meta.get(RANK)) for (a, _), (b, _) in zip(readers, readers[1:])]
@@ -165,9 +166,14 @@ def rematerialize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     order = _Order(graph)
     copied: dict[str, int] = {}   # the op making each recomputed value -> how many
-    for v in list(graph.nodes):
-        if v.op != "call_function" or _is_view(v) or v in order.root or not _cheap(v) or RANK not in v.meta:
-            continue   # (a view's bytes are its base's: recomputing it frees nothing)
+    # Views are left out (a view's bytes are its base's: recomputing it frees nothing). A value
+    # and each copy made of it go back on the list: its readers before the split, and the
+    # copy's after it, may hold another gap worth a copy, as a tile's normalized input read by
+    # its own backward, by the norm weight's gradient and again after the whole attention's.
+    todo = collections.deque(v for v in graph.nodes if v.op == "call_function" and not _is_view(v)
+                             and v not in order.root and _cheap(v) and RANK in v.meta)
+    while todo:   # (in graph order: a value's chain is looked at after the values it is made from)
+        v = todo.popleft()
         late = _late_readers(v, order)
         if late is None:
             continue
@@ -199,6 +205,8 @@ def rematerialize(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         order.last[order.root.get(v, v), v.meta[RANK]] = max(early, default=order.pos[v])
         for n in env.values():
             order.pos[n] = order.pos[first] - 0.5
+        order.last[env[v], v.meta[RANK]] = max(order.pos[r] for r, _ in late)
+        todo += [v, env[v]]
         maker = chain[-1].args[0] if chain[-1].target is operator.getitem else chain[-1]
         copied[str(maker.target)] = copied.get(str(maker.target), 0) + 1
     if copied:

@@ -66,6 +66,33 @@ def test_a_norm_read_late_is_recomputed_before_its_late_reader():
     assert body_transient_bytes(out) < before
 
 
+def _norm_read_across_two_gaps(x, w, wq):
+    """A tile's normalized input read by its projection, by a gradient after one large value
+    (its own backward), and again after another (the whole attention's): held across neither."""
+    n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    q = (n * w) @ wq
+    big = (q.repeat(1, 16) * 2.0).sum(-1, keepdim=True)
+    dw = (n * big).sum(0)
+    bigger = (q.repeat(1, 16) * 3.0).sum(-1, keepdim=True)
+    return n.t() @ (q * bigger), dw, x.sum()
+
+
+def test_a_value_read_across_two_gaps_is_recomputed_before_each():
+    shapes = [(256, 32), (32,), (32, 32)]
+    gm = _graph(_norm_read_across_two_gaps, *shapes)
+    before = body_transient_bytes(gm)
+    inputs = [torch.randn(s) for s in shapes]
+    want = gm(*inputs)
+    rsqrts = [n for n in gm.graph.nodes if n.target is torch.ops.aten.rsqrt.default]
+    made = sum(n.target is torch.ops.aten.mul.Tensor and rsqrts[0] in n.args for n in gm.graph.nodes)
+    out = _apply(gm)
+    assert all(torch.equal(a, b) for a, b in zip(out(*inputs), want))
+    normalized = [n for n in out.graph.nodes if n.target is torch.ops.aten.mul.Tensor
+                  and any(a.target is torch.ops.aten.rsqrt.default for a in n.all_input_nodes)]
+    assert len(normalized) == made + 2   # (one copy before each late group of readers)
+    assert body_transient_bytes(out) < before
+
+
 def test_nothing_costly_random_or_without_a_gap_is_recomputed():
     """A value made by a matmul, one made with random numbers, and one whose readers have
     nothing large between them stay as they are; the forward is never touched."""
