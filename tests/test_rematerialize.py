@@ -48,22 +48,28 @@ def _norm_read_early_and_late(x, w, wq):
     return n.t() @ (q * big), x.sum()
 
 
-def test_a_norm_read_late_is_recomputed_before_its_late_reader():
+def _same_numbers_lower_peak(fn, count):
+    """fn traced at the shapes of a layer's norm and projection, and the pass applied (in place):
+    (the graph, `count(graph)` before the pass); its outputs are the bits of the graph before
+    it, and its peak is lower."""
     shapes = [(256, 32), (32,), (32, 32)]
-    gm = _graph(_norm_read_early_and_late, *shapes)
-    before = body_transient_bytes(gm)
+    gm = _graph(fn, *shapes)
+    before, counted = body_transient_bytes(gm), count(gm)
     inputs = [torch.randn(s) for s in shapes]
     want = gm(*inputs)
-    muls = _count(gm, torch.ops.aten.mul.Tensor)
-    out = _apply(gm)   # (in place)
-    got = out(*inputs)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    out = _apply(gm)
+    assert all(torch.equal(a, b) for a, b in zip(out(*inputs), want))
+    assert body_transient_bytes(out) < before
+    return out, counted
+
+
+def test_a_norm_read_late_is_recomputed_before_its_late_reader():
+    out, muls = _same_numbers_lower_peak(_norm_read_early_and_late, lambda gm: _count(gm, torch.ops.aten.mul.Tensor))
     mms = [n for n in out.graph.nodes if n.target is torch.ops.aten.mm.default]
     early, late = mms[0], mms[-1]
     assert late.args[0].target is torch.ops.aten.t.default
     assert late.args[0].args[0] is not early.args[0]   # (the weight gradient reads a recomputed norm)
     assert _count(out, torch.ops.aten.mul.Tensor) > muls   # (the norm's last multiplications, again)
-    assert body_transient_bytes(out) < before
 
 
 def _norm_read_across_two_gaps(x, w, wq):
@@ -77,20 +83,15 @@ def _norm_read_across_two_gaps(x, w, wq):
     return n.t() @ (q * bigger), dw, x.sum()
 
 
+def _normalized(gm):
+    """The multiplications by an rsqrt (the normalized input and its copies)."""
+    return [n for n in gm.graph.nodes if n.target is torch.ops.aten.mul.Tensor
+            and any(a.target is torch.ops.aten.rsqrt.default for a in n.all_input_nodes)]
+
+
 def test_a_value_read_across_two_gaps_is_recomputed_before_each():
-    shapes = [(256, 32), (32,), (32, 32)]
-    gm = _graph(_norm_read_across_two_gaps, *shapes)
-    before = body_transient_bytes(gm)
-    inputs = [torch.randn(s) for s in shapes]
-    want = gm(*inputs)
-    rsqrts = [n for n in gm.graph.nodes if n.target is torch.ops.aten.rsqrt.default]
-    made = sum(n.target is torch.ops.aten.mul.Tensor and rsqrts[0] in n.args for n in gm.graph.nodes)
-    out = _apply(gm)
-    assert all(torch.equal(a, b) for a, b in zip(out(*inputs), want))
-    normalized = [n for n in out.graph.nodes if n.target is torch.ops.aten.mul.Tensor
-                  and any(a.target is torch.ops.aten.rsqrt.default for a in n.all_input_nodes)]
-    assert len(normalized) == made + 2   # (one copy before each late group of readers)
-    assert body_transient_bytes(out) < before
+    out, made = _same_numbers_lower_peak(_norm_read_across_two_gaps, lambda gm: len(_normalized(gm)))
+    assert len(_normalized(out)) == made + 2   # (one copy before each late group of readers)
 
 
 def test_nothing_costly_random_or_without_a_gap_is_recomputed():
