@@ -72,6 +72,13 @@ SLOW_IN_CI: dict[str, str] = {
     "test_plan.py::test_100b_class_prediction": "test_plan's other predictions; test_inspect's presets",
     "test_routed_experts.py::test_routed_experts_in_bf16_match_the_full_transfer":
         "test_routed_experts_train_like_eager (fp32)",
+    # presets of one architecture at other sizes (the same layer classes and attention layout;
+    # head counts and widths differ): the smallest of each inspects in CI
+    **{f"test_inspect.py::test_every_preset_inspects[{big}]": f"[{small}] (same model_type and layer layout)"
+       for big, small in (("llama-3-70b", "llama-3-8b"), ("llama-3.1-405b", "llama-3-8b"),
+                          ("qwen2.5-14b", "qwen2.5-7b"), ("qwen2.5-32b", "qwen2.5-7b"), ("qwen2.5-72b", "qwen2.5-7b"),
+                          ("qwen3-14b", "qwen3-8b"), ("qwen3-32b", "qwen3-8b"), ("mixtral-8x22b", "mixtral-8x7b"),
+                          ("qwen2.5-vl-72b", "qwen2.5-vl-7b"), ("gpt-oss-20b", "gpt-oss-120b"))},
     "test_layer_regions.py::test_the_regional_trace_gives_the_whole_graph_program[zamba2]": "[llama], [qwen3_next]",
     "test_layer_regions.py::test_the_regional_trace_gives_the_whole_graph_program[gemma3_text]":
         "[llama], [qwen3_next]",

@@ -18,8 +18,13 @@
 // These are torch.optim.AdamW's formulas in its operation order. Memory traffic is 30 bytes per
 // parameter for a bf16 copy (read p, g, m, v; write p, m, v, low) against 28 + 6 for torch's
 // fused AdamW followed by a separate copy pass.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+//
+// The functions take buffer addresses and element counts, not tensors: runtime/host_kernels.py
+// checks each tensor (CPU, contiguous, dtype, size) and passes its data pointer, so this file
+// needs pybind11 and c10's two float types, not torch/extension.h (all of ATen): it builds in
+// seconds, not half a minute. `threads` is always a count here (host_kernels passes torch's
+// intra-op thread count where its caller said 0).
+#include <pybind11/pybind11.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -28,9 +33,26 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <sstream>
+#include <stdexcept>
 #include <vector>
 
 namespace {
+
+// a false condition raises RuntimeError (pybind11 translates std::runtime_error)
+template <typename... Parts>
+void check(bool ok, const Parts&... parts) {
+  if (!ok) {
+    std::ostringstream text;
+    (text << ... << parts);
+    throw std::runtime_error(text.str());
+  }
+}
+
+template <typename T>
+T* buffer(int64_t address) {
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
 
 inline uint16_t to_bf16(float f) {
   uint32_t u;
@@ -43,16 +65,17 @@ inline uint16_t to_bf16(float f) {
 constexpr int64_t kGrain = 1 << 15;
 constexpr int64_t kBlock = 1 << 11;   // 8 KiB of weights: still in L1 when they are checked
 
-// body(begin, end) over [0, n): on torch's intra-op pool (threads == 0), or on `threads` OpenMP
-// threads of the calling thread's own team (an update on a host thread next to the training
-// thread leaves it and the gradient worker their cores instead of taking torch's whole pool)
+// body(begin, end) over [0, n) in chunks of kGrain, on `threads` OpenMP threads of the calling
+// thread's own team (an update on a host thread next to the training thread leaves it and the
+// gradient worker their cores instead of taking torch's whole pool); one chunk, or one thread,
+// runs on the calling thread
 template <typename F>
 void parallel(int64_t n, int64_t threads, const F& body) {
-  if (threads <= 0) {
-    at::parallel_for(0, n, kGrain, body);
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  if (chunks <= 1 || threads <= 1) {
+    if (n > 0) body(0, n);
     return;
   }
-  const int64_t chunks = (n + kGrain - 1) / kGrain;
 #pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
   for (int64_t c = 0; c < chunks; ++c) body(c * kGrain, std::min(n, (c + 1) * kGrain));
 }
@@ -90,11 +113,6 @@ int64_t run(float* __restrict__ p, const float* __restrict__ g, float* __restric
   return nonfinite.load();
 }
 
-void check(const torch::Tensor& t, const char* name, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.numel() == n,
-              name, " must be a contiguous CPU float32 tensor with ", n, " elements");
-}
-
 // Sums of squares, in double, the same way wherever they are taken: one partial sum per fixed
 // chunk of kGrain elements (eight independent double lanes, element i of a chunk into lane i % 8,
 // a tail into lane 0), the partials added in chunk order. So the result depends neither on the
@@ -120,10 +138,8 @@ template <typename F>
 double chunked_sum(int64_t n, int64_t threads, const F& body) {
   const int64_t chunks = (n + kGrain - 1) / kGrain;
   std::vector<double> partial(static_cast<size_t>(chunks), 0.0);
-  if (threads <= 0) {
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) partial[static_cast<size_t>(c)] = body(c);
-    });
+  if (chunks <= 1 || threads <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) partial[static_cast<size_t>(c)] = body(c);
   } else {
 #pragma omp parallel for num_threads(static_cast<int>(threads)) schedule(static)
     for (int64_t c = 0; c < chunks; ++c) partial[static_cast<size_t>(c)] = body(c);
@@ -161,46 +177,43 @@ double land_impl(float* __restrict__ dst, const S* __restrict__ src, int64_t n, 
 
 }  // namespace
 
-int64_t adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                c10::optional<torch::Tensor> low, double lr, double beta1, double beta2, double eps,
-                double weight_decay, int64_t step, double grad_scale, int64_t threads) {
-  const int64_t n = param.numel();
-  check(param, "param", n);
-  check(grad, "grad", n);
-  check(exp_avg, "exp_avg", n);
-  check(exp_avg_sq, "exp_avg_sq", n);
-  TORCH_CHECK(step >= 1, "step must be at least 1");
+// kinds of a low-precision buffer or a landing gradient (host_kernels.py's LOW_KINDS)
+constexpr int kNone = 0, kBF16 = 1, kF16 = 2, kF32 = 3;
+
+int64_t adamw_step(int64_t param, int64_t grad, int64_t exp_avg, int64_t exp_avg_sq, int64_t low, int low_kind,
+                   int64_t n, double lr, double beta1, double beta2, double eps, double weight_decay, int64_t step,
+                   double grad_scale, int64_t threads) {
+  check(step >= 1, "step must be at least 1");
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
   const float step_size = static_cast<float>(lr / bc1), bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
+  float* p = buffer<float>(param);
+  const float* g = buffer<const float>(grad);
+  float* m = buffer<float>(exp_avg);
+  float* v = buffer<float>(exp_avg_sq);
   // scalars are computed in double and rounded once, as torch does with Python-float scalars
   const float decay = 1.0 - lr * weight_decay, b1 = beta1, b2 = beta2, omb1 = 1.0 - beta1, omb2 = 1.0 - beta2;
   const float f_eps = eps, f_gs = grad_scale;
-  if (!low.has_value()) {
-    return run<0>(p, g, m, v, nullptr, n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
+  switch (low_kind) {
+    case kNone:
+      return run<0>(p, g, m, v, nullptr, n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
+    case kBF16:
+      return run<1>(p, g, m, v, buffer<void>(low), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs,
+                    threads);
+    case kF16:
+      return run<2>(p, g, m, v, buffer<void>(low), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs,
+                    threads);
+    default:
+      check(false, "low must be bfloat16 or float16");
   }
-  const torch::Tensor& out = *low;
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.numel() == n,
-              "low must be a contiguous CPU tensor with ", n, " elements");
-  if (out.scalar_type() == torch::kBFloat16) {
-    return run<1>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
-  } else {
-    TORCH_CHECK(out.scalar_type() == torch::kHalf, "low must be bfloat16 or float16");
-    return run<2>(p, g, m, v, out.data_ptr(), n, decay, b1, b2, omb1, omb2, f_eps, step_size, bc2_sqrt, f_gs, threads);
-  }
+  return 0;
 }
 
 // The sum of the squares of a flat fp32 buffer (a gradient's squared L2 norm), in double (Lanes).
 // (torch.linalg.vector_norm over a host gradient runs on one core: a 1.2B-parameter model's
 // norms measured 442 ms of a 1.8 s step on an H200 machine.)
-double sum_squares(torch::Tensor t, int64_t threads) {
-  const int64_t n = t.numel();
-  check(t, "t", n);
-  const float* x = t.data_ptr<float>();
+double sum_squares(int64_t t, int64_t n, int64_t threads) {
+  const float* x = buffer<const float>(t);
   return chunked_sum(n, threads, [&](int64_t c) {
     Lanes lanes;
     lanes.add(x, c * kGrain, std::min(n, (c + 1) * kGrain));
@@ -211,12 +224,9 @@ double sum_squares(torch::Tensor t, int64_t threads) {
 // A memory-bandwidth probe with AdamW's access pattern and this file's compiler flags and
 // threading (megacompile/host_probe.py): a[i] = a[i] + s * b[i] in place (12 bytes/element:
 // read a and b, write a back; no write-allocate reads uncounted, as with AdamW's buffers).
-void stream_update(torch::Tensor a, torch::Tensor b, double scale, int64_t threads) {
-  const int64_t n = a.numel();
-  check(a, "a", n);
-  check(b, "b", n);
-  float* __restrict__ x = a.data_ptr<float>();
-  const float* __restrict__ y = b.data_ptr<float>();
+void stream_update(int64_t a, int64_t b, int64_t n, double scale, int64_t threads) {
+  float* __restrict__ x = buffer<float>(a);
+  const float* __restrict__ y = buffer<const float>(b);
   const float s = static_cast<float>(scale);
   parallel(n, threads, [&](int64_t begin, int64_t end) {
 #pragma omp simd
@@ -228,17 +238,13 @@ void stream_update(torch::Tensor a, torch::Tensor b, double scale, int64_t threa
 // dst += src when `add`, src fp32, bf16 or fp16; returns the squared L2 norm of the new dst as
 // sum_squares(dst) would, taken in the same pass. The global norm for clipping then needs no
 // pass of its own over the gradients after the backward.
-double land(torch::Tensor dst, torch::Tensor src, bool add, int64_t threads) {
-  const int64_t n = dst.numel();
-  check(dst, "dst", n);
-  TORCH_CHECK(src.device().is_cpu() && src.is_contiguous() && src.numel() == n,
-              "src must be a contiguous CPU tensor with ", n, " elements");
-  float* d = dst.data_ptr<float>();
-  switch (src.scalar_type()) {
-    case torch::kFloat32: return land_impl(d, src.data_ptr<float>(), n, add, threads);
-    case torch::kBFloat16: return land_impl(d, src.data_ptr<c10::BFloat16>(), n, add, threads);
-    case torch::kHalf: return land_impl(d, src.data_ptr<c10::Half>(), n, add, threads);
-    default: TORCH_CHECK(false, "src must be float32, bfloat16 or float16");
+double land(int64_t dst, int64_t src, int src_kind, int64_t n, bool add, int64_t threads) {
+  float* d = buffer<float>(dst);
+  switch (src_kind) {
+    case kF32: return land_impl(d, buffer<const float>(src), n, add, threads);
+    case kBF16: return land_impl(d, buffer<const c10::BFloat16>(src), n, add, threads);
+    case kF16: return land_impl(d, buffer<const c10::Half>(src), n, add, threads);
+    default: check(false, "src must be float32, bfloat16 or float16");
   }
   return 0.0;
 }
