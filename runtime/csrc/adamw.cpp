@@ -33,21 +33,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <sstream>
-#include <stdexcept>
 #include <vector>
+
+#include "check.h"
 
 namespace {
 
-// a false condition raises RuntimeError (pybind11 translates std::runtime_error)
-template <typename... Parts>
-void check(bool ok, const Parts&... parts) {
-  if (!ok) {
-    std::ostringstream text;
-    (text << ... << parts);
-    throw std::runtime_error(text.str());
-  }
-}
+using megatrain::check;
 
 template <typename T>
 T* buffer(int64_t address) {

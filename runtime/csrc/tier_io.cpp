@@ -33,25 +33,16 @@
 #include <map>
 #include <memory>
 #include <mutex>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
 
+#include "check.h"
+
 namespace {
 
-// TORCH_CHECK's contract without its headers: a false condition raises RuntimeError (pybind11
-// translates std::runtime_error) whose text is the parts, concatenated
-template <typename... Parts>
-void check(bool ok, const Parts&... parts) {
-  if (!ok) {
-    std::ostringstream text;
-    (text << ... << parts);
-    throw std::runtime_error(text.str());
-  }
-}
+using megatrain::check;
 
 constexpr int64_t kAlign = 4096;
 constexpr int kStatusPending = -1;   // a ticket's status: pending, 0 (done) or the errno it failed with
