@@ -6,8 +6,10 @@
     squared_norm(t)                                     sum(t ** 2) alone
 
 The module is compiled on first use with torch's C++ extension builder and cached under
-~/.cache/torch_extensions. Without a compiler `kernel()` is None (a warning says so once) and
-the callers use torch ops instead: the same values, more passes over memory.
+~/.cache/torch_extensions (about 10 s: its functions take buffer addresses, which `HostKernels`
+checks and passes, so it needs no torch headers). Without a compiler `kernel()` is None (a
+warning says so once) and the callers use torch ops instead: the same values, more passes over
+memory.
 """
 from __future__ import annotations
 
