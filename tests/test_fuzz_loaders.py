@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import example, given, HealthCheck, settings, strategies as st
 
 from megacompile.cli import main
 from megacompile.errors import MegatrainError
@@ -80,6 +80,7 @@ def tok():
 @given(st.sampled_from(["alpaca", "sharegpt"]).flatmap(
     lambda f: st.tuples(st.just(f), st.lists(_alpaca if f == "alpaca" else _sharegpt, min_size=1, max_size=4))),
     st.booleans())
+@example(data=("sharegpt", [{"conversations": [{"from": [], "value": None}]}]), jsonl=False)   # (a list as a role)
 def test_any_records_give_examples_or_a_data_error(tok, own_cache, data, jsonl):
     formatting, records = data
     with tempfile.TemporaryDirectory() as tmp:

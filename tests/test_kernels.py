@@ -76,7 +76,12 @@ def _check_rmsnorm(shape, dtype, offset, cast_before_weight, eps, seed, weight_d
     w_eff = w.detach().float() + offset
     terms = (w_eff * dy.float() * r).abs().max().item() if x.numel() else 0.0
     assert_matches(dx, dx_ref, dtype, "dx", terms)
-    assert_matches(dw, dw_ref, dtype, "dweight")
+    # dweight sums dy * x_hat over the rows, and the bf16 reference rounds each product and its
+    # running sum: its error follows the summands' total size, not the sum's (seen: 6 rows,
+    # hidden 4, 0.0107 off on a 0.149 element, 1.4 bf16 steps)
+    dw_terms = ((dy.float() * x.detach().float() * r).abs().reshape(-1, hidden).sum(0).max().item()
+                if x.numel() else 0.0)
+    assert_matches(dw, dw_ref, dtype, "dweight", dw_terms)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -147,7 +147,8 @@ def sharegpt_messages(record: dict, columns: dict, tags: dict, name: str) -> lis
     elif record.get(cols["system"]):
         messages.append({"role": "system", "content": _text(record[cols["system"]])})
     for turn in turns:
-        role = roles.get(turn.get(tg["role_tag"])) if isinstance(turn, dict) else None
+        tag = turn.get(tg["role_tag"]) if isinstance(turn, dict) else None
+        role = roles.get(tag) if isinstance(tag, str) else None   # (a list or a dict is no role: a data error)
         if role is None:
             raise DataError(f"data set {name!r}: turn {turn!r} has no role among {sorted(roles)} under "
                             f"{tg['role_tag']!r}; set tags.role_tag / user_tag / assistant_tag in dataset_info.json.")
