@@ -24,9 +24,14 @@ _KINDS = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _LANDS = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _fits(t: torch.Tensor, n: int, dtypes=(torch.float32,)) -> bool:
+    """Whether the kernels can take `t`: a contiguous CPU tensor of n elements of one of `dtypes`."""
+    return t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() and t.numel() == n
+
+
 def _flat(t: torch.Tensor, name: str, n: int, dtypes=(torch.float32,)) -> int:
-    """t's data pointer, once it is a contiguous CPU tensor of n elements of one of `dtypes`."""
-    if not (t.device.type == "cpu" and t.dtype in dtypes and t.is_contiguous() and t.numel() == n):
+    """t's data pointer, once `_fits` says the kernels can take it."""
+    if not _fits(t, n, dtypes):
         kinds = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise RuntimeError(f"{name} must be a contiguous CPU {kinds} tensor with {n} elements")
     return t.data_ptr()
@@ -87,12 +92,10 @@ def squared_norm(t: torch.Tensor, threads: int = 0) -> float:
     """sum(t ** 2) in double: the C++ kernel over a host fp32 gradient (all cores; torch's
     vector_norm there runs on one), torch elsewhere. `threads` > 0: that many OpenMP threads of
     the calling thread's own (a worker next to the training thread), 0: torch's intra-op pool."""
-    ext = kernel() if t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() else None
+    ext = kernel() if _fits(t, t.numel()) else None
     if ext is not None:
         return ext.sum_squares(t, threads)
     return float(torch.linalg.vector_norm(t, 2.0, dtype=torch.float64)) ** 2
-
-
 
 
 def land(dst: torch.Tensor, src: torch.Tensor, add: bool, threads: int = 0) -> float | None:
@@ -101,8 +104,7 @@ def land(dst: torch.Tensor, src: torch.Tensor, add: bool, threads: int = 0) -> f
     take these tensors (not on the CPU, not contiguous, no compiler): then torch's op ran and the
     norm is left to whoever needs it. The version counter of `dst` moves as torch's op moves it."""
     ext = None
-    if (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == torch.float32
-            and src.dtype in _LANDS and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+    if dst.shape == src.shape and _fits(dst, dst.numel()) and _fits(src, dst.numel(), _LANDS):
         ext = kernel()
     if ext is None:
         dst.add_(src) if add else dst.copy_(src)

@@ -169,7 +169,7 @@ double land_impl(float* __restrict__ dst, const S* __restrict__ src, int64_t n, 
 
 }  // namespace
 
-// kinds of a low-precision buffer or a landing gradient (host_kernels.py's LOW_KINDS)
+// kinds of a low-precision buffer or a landing gradient (host_kernels.py's _KINDS)
 constexpr int kNone = 0, kBF16 = 1, kF16 = 2, kF32 = 3;
 
 int64_t adamw_step(int64_t param, int64_t grad, int64_t exp_avg, int64_t exp_avg_sq, int64_t low, int low_kind,
