@@ -34,6 +34,7 @@ import dataclasses
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -402,32 +403,14 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                              host_checkpoint_bytes=m.host_checkpoints(b), accum=accum, ssd_seconds=io,
                              ssd_exposed_seconds=exposed, busy=busy)
 
-    # Device bytes are linear in the batch within each step, but the peak is the max over steps,
-    # which can move to a step whose bytes grow faster: a convex function, which the chord from
-    # batch 2 to 4 under-estimates beyond 4. So the largest batch is checked by capturing it, and
-    # the chord refitted through the checked point until the check passes.
-    p1, p2 = m.device_peak(1), m.device_peak(2)
-    slope = max(1, p2 - p1)
-    fit = 0 if p1 > capacity else min(max_batch, 1 + (capacity - p1) // slope)
-    if m is one_batch:
-        fit = batch
-    anchor_b, anchor_p = 4, m.device_peak(4)
-    for _ in range(4):
-        if m is one_batch or fit <= anchor_b:   # (one batch: captured, and it fits)
-            break
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cap = capture(fit, options, ", to check the largest batch")
-        measured = max(d.peak for d in cap.directions.values()) + int(m.extra_saved(fit))
-        m.checked[fit] = measured
-        if measured <= capacity:
-            break
-        slope = max(1, (measured - anchor_p) // (fit - anchor_b))
-        # (fit > 4 was reached only because batch 4 fits, so it stays a safe lower bound)
-        fit = max(anchor_b, min(fit - 1, anchor_b + (capacity - anchor_p) // slope))
-    candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
-    if m is one_batch:   # (its figures hold at that batch alone)
-        candidates = [batch]
+    p1 = m.device_peak(1)
+    slope = max(1, m.device_peak(2) - p1)
+    if m is one_batch:   # (captured at that batch, and it fits: its figures hold there alone)
+        fit, candidates = batch, [batch]
+    else:
+        fit, slope = _largest_batch(m, capacity, max_batch, p1, slope,
+                                    lambda b: capture(b, options, ", to check the largest batch"))
+        candidates = sorted({b for b in [2**i for i in range(13)] + [fit, batch or 1] if 1 <= b <= max(fit, 1)})
     batches = [estimate(b) for b in candidates]
     fitting = [b for b in batches if b.device_peak_bytes <= capacity
                and host.total + b.host_checkpoint_bytes <= host_ram]
@@ -447,6 +430,33 @@ def plan_model(source, *, hardware: Hardware, host_ram: int | None = None, seq: 
                 ssd_capacity=capacity_ssd, ssd_capacity_source=capacity_source, accum=accum, gpus=gpus)
     _check(plan, m, p1, slope)
     return plan
+
+
+def _largest_batch(m: PrefixModel, capacity: int, max_batch: int, p1: int, slope: int,
+                   capture: Callable[[int], Capture]) -> tuple[int, int]:
+    """(the largest batch up to max_batch whose peak fits `capacity`, the slope of the peak per
+    sample it was found with), from the peaks at batch 1 (`p1`) and 2 (`slope` apart).
+
+    Device bytes are linear in the batch within each step, but the peak is the max over steps,
+    which can move to a step whose bytes grow faster: a convex function, which the chord from
+    batch 2 to 4 under-estimates beyond 4. So the largest batch is checked by capturing it, and
+    the chord refitted through the checked point until the check passes."""
+    fit = 0 if p1 > capacity else min(max_batch, 1 + (capacity - p1) // slope)
+    anchor_b, anchor_p = 4, m.device_peak(4)
+    for _ in range(4):
+        if fit <= anchor_b:
+            break
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cap = capture(fit)
+        measured = max(d.peak for d in cap.directions.values()) + int(m.extra_saved(fit))
+        m.checked[fit] = measured
+        if measured <= capacity:
+            break
+        slope = max(1, (measured - anchor_p) // (fit - anchor_b))
+        # (fit > 4 was reached only because batch 4 fits, so it stays a safe lower bound)
+        fit = max(anchor_b, min(fit - 1, anchor_b + (capacity - anchor_p) // slope))
+    return fit, slope
 
 
 def _plus(seconds: float | None, more: float) -> float | None:
