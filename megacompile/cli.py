@@ -16,7 +16,7 @@ from .log import console, quiet
 
 from .interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated  # noqa: F401 (API)
 
-#: exit codes (README, "Errors"); a MegatrainError's own is its `exit_code` (errors.py)
+#: exit codes (docs/errors.md); a MegatrainError's own is its `exit_code` (errors.py)
 EXIT_OK, EXIT_INTERNAL, EXIT_USAGE, EXIT_CANNOT_FIT, EXIT_TRAINING_FAILED = 0, 1, 2, 3, 4
 
 
@@ -377,7 +377,7 @@ _USER_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENO
 
 
 def main(argv=None) -> int:
-    """Run the command line; returns the exit code (README, "Errors"): 0 done, 1 internal error
+    """Run the command line; returns the exit code (docs/errors.md): 0 done, 1 internal error
     (a bug: traceback + one `megatrain: internal error:` line), 2 a user error (one
     `megatrain: error:` line saying what to change), 3 it cannot fit the machine, 4 training
     failed, 130 interrupted, 143 terminated (SIGTERM)."""

@@ -1,6 +1,6 @@
 """Errors megatrain raises on bad input. Each message says what to change.
 
-The command line maps them to exit codes (README, "Errors"):
+The command line maps them to exit codes (docs/errors.md):
     2  MegatrainError (a usage, config, data, model or checkpoint error: the message says what to change)
     3  CannotFitError (the run does not fit the machine: host RAM or device memory)
     4  TrainingError (training ran but failed: diverged, non-finite weights, trained nothing)

@@ -1,4 +1,4 @@
-"""The `megatrain` command line's exit codes and error lines (README, "Errors").
+"""The `megatrain` command line's exit codes and error lines (docs/errors.md).
 
 Every user error is exit 2 and ONE `megatrain: error: ...` line on stderr, never a traceback;
 "cannot fit" is 3, a failed training run 4, an internal error 1 (traceback + one

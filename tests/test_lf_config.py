@@ -379,12 +379,3 @@ def test_train_help_lists_the_keys_by_group(tmp_path, capsys):
     cfg.write_text("model_name_or_path: m\n")   # (incomplete: --help must not load it)
     assert main(["train", str(cfg), "--help"]) == 0
     assert "\ntraining:" in capsys.readouterr().out
-
-
-def test_readme_section_names_every_key_of_the_table():
-    """README's "Coming from LLaMA-Factory" is the table in words: no row left out."""
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = text.split("### Coming from LLaMA-Factory", 1)[1].split("\n## ", 1)[0]
-    missing = [k for k in [*lf_keys.NOTED, *lf_keys.REFUSED, *lf_keys.MAPPED, *lf_keys.STAGES_REFUSED]
-               if f"`{k}`" not in section]
-    assert not missing

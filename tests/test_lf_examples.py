@@ -8,7 +8,7 @@ The data folder is LLaMA-Factory's layout (dataset_dir "data", its dataset_info.
 104 entries) with small stand-ins for the files the examples name: identity.json (LF's first two
 records), alpaca_en_demo.json (examples/data/alpaca_demo.json), c4_demo.jsonl (the example texts
 as 120 documents, enough for 16 blocks of 2048 tokens), mllm_demo.json and its images
-(examples/data). The README's table "LLaMA-Factory's example configs" must say what EXPECTED says.
+(examples/data). The table "LLaMA-Factory's example configs" of docs/llamafactory.md must say what EXPECTED says.
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_example_trains_or_is_refused_before_any_step(example, lf_data, tmp_path
 
 
 def test_the_readme_table_says_what_each_example_does():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("### LLaMA-Factory's example configs"):]
+    page = (ROOT / "docs" / "llamafactory.md").read_text()
+    table = page[page.index("## LLaMA-Factory's example configs"):]
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `([^`]+\.yaml)` \| (trains|refused)", table, re.M)}
     assert rows == {example: outcome for example, (outcome, _) in EXPECTED.items()}

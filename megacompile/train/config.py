@@ -394,7 +394,7 @@ def _unknown_keys_error(unknown: list[str], refused: list[str]) -> ConfigError:
             close = _suggest(key, valid)
             named.append(f"{key!r}" + (f" (Did you mean {close!r}?)" if close else ""))
         parts.append(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(named)}: see "
-                     "`megatrain train --help` or the README's training section for the keys")
+                     "`megatrain train --help` or docs/train.md for the keys")
     if refused:
         parts.append(f"not supported: {'; '.join(refused)}")
     return ConfigError(". ".join(parts) + ".")

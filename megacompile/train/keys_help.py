@@ -70,18 +70,25 @@ def _rows(rows: list[tuple[str, str, str]], width: int) -> list[str]:
 _TRAIN_DEFAULTS = {"device": "cuda if available, else cpu", "logits": "drop"}
 
 
+def key_groups() -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """All config keys by group, each as (name, default, one line of help): what `keys_help`
+    prints and the documentation's key table shows (docs/hooks.py)."""
+    fields = [f for f in dataclasses.fields(TrainConfig) if "group" in f.metadata]
+    groups = [(group, [(f.name, _default(f), f.metadata["help"]) for f in fields if f.metadata["group"] == group])
+              for group in GROUPS]
+    helps = option_help()
+    groups.append(("megatrain options (the backend's compile options, as top-level keys)",
+                   [(f.name, _TRAIN_DEFAULTS.get(f.name, _default(f)), helps.get(f.name, ""))
+                    for f in dataclasses.fields(Options)]))
+    return groups
+
+
 def keys_help(width: int = 118) -> str:
     """All config keys by group: name, default, one line of help."""
-    fields = [f for f in dataclasses.fields(TrainConfig) if "group" in f.metadata]
     lines = ["config keys (YAML, or key=value after the config file):"]
-    for group in GROUPS:
+    for group, rows in key_groups():
         lines.append(f"\n{group}:")
-        lines += _rows([(f.name, _default(f), f.metadata["help"]) for f in fields if f.metadata["group"] == group],
-                       width)
-    helps = option_help()
-    lines.append("\nmegatrain options (the backend's compile options, as top-level keys):")
-    lines += _rows([(f.name, _TRAIN_DEFAULTS.get(f.name, _default(f)), helps.get(f.name, ""))
-                    for f in dataclasses.fields(Options)], width)
+        lines += _rows(rows, width)
     lines.append("\nLLaMA-Factory keys megatrain has no field for are mapped (bf16 -> torch_dtype), accepted with a "
-                 "note (deepspeed), or refused with the reason: README, \"Coming from LLaMA-Factory\".")
+                 "note (deepspeed), or refused with the reason: docs/llamafactory.md.")
     return "\n".join(lines)

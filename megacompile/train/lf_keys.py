@@ -13,7 +13,7 @@ FinetuningArguments, GeneratingArguments and the Seq2SeqTrainingArguments it inh
     instead (deepspeed, gradient_checkpointing, dataloader_num_workers, ...);
   - REFUSED: an error with the reason, unless the value is one that changes nothing (LLaMA-Factory's
     default: `quantization_bit: null` passes, `quantization_bit: 4` is refused).
-The README's "Coming from LLaMA-Factory" section is this table in words.
+The documentation's page docs/llamafactory.md shows this table, made from it (docs/hooks.py).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # -- NOTED: accepted; what megatrain does instead (one note line per distinct text) ---------------
-_ONE_DEVICE = ("megatrain streams the weights from host RAM and runs its own data parallelism under torchrun (README: "
-               "more than one GPU), not DeepSpeed, FSDP or DDP")
+_ONE_DEVICE = ("megatrain streams the weights from host RAM and runs its own data parallelism under torchrun "
+               "(docs/data-parallel.md), not DeepSpeed, FSDP or DDP")
 _RECOMPUTE = "megatrain always recomputes each decoder layer in the backward (activation checkpointing is its schedule)"
 _KERNELS = "the megatrain backend chooses the attention and fused kernels itself"
 _LOADER = "batches are collated in the training process (nothing to parallelise: the step waits on the weights)"
@@ -137,7 +137,7 @@ REFUSED: dict[str, tuple[tuple, str]] = {
     "shift_attn": ((False,), "LongLoRA's shifted sparse attention is " + _NOT_YET),
     "mixture_of_depths": ((None,), "mixture-of-depths is " + _NOT_YET),
     "moe_aux_loss_coef": ((None,), "set output_router_logits: true and router_aux_loss_coef in the model's "
-                                   "config.json (README: MoE router auxiliary loss)"),
+                                   "config.json (docs/compile.md: MoE router auxiliary loss)"),
     "upcast_layernorm": ((False,), "norms run in torch_dtype with fp32 master weights; upcasting is " + _NOT_YET),
     "upcast_lmhead_output": ((False,), "the fused LM-head loss already reduces in fp32"),
     "train_from_scratch": ((False,), "megatrain fine-tunes or continues pre-training from the given weights"),
@@ -193,7 +193,7 @@ STAGES_REFUSED = {
     "kto": "KTO is not supported yet (stage: sft or pt)",
 }
 
-#: the mapped keys (see _map); listed for the README table and the completeness test
+#: the mapped keys (see _map); listed for the documentation's table and the completeness test
 MAPPED = {
     "bf16": "true -> torch_dtype: bfloat16",
     "fp16": "true -> torch_dtype: float16",
