@@ -339,7 +339,8 @@ def megatrain_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
             _log.info("megatrain: %s was traced without megatrain's compile-start callback (torch._dynamo.reset() "
                      "drops it); prepared now (%s), traced again", type(root).__name__, changed)
             compile_start.retrace(f"megatrain prepared the model: {changed}")
-    capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})})
+    capture, params = capture_inputs(gm, example_inputs, {"options": dict(options or {})},
+                                     prepared=compile_start.prepared_this_compile())
     _check_dynamo_regions(capture, gm)
     CLOCK.stage(f"traced at {{at}}: {capture.num_layers} decoder layers; AOTAutograd differentiates and "
                 "partitions the step")

@@ -254,12 +254,13 @@ def _break_site(model: nn.Module) -> tuple[str, str, str]:
     return reason, site, place
 
 
-def raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None) -> None:
+def raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None, prepared: bool = False) -> None:
     """Raise the error for a graph break in `model`: the user's GraphBreakError saying what to
     change, or an InternalError (`facts`: the compile's, for the report) when the break is in
-    something megatrain prepared."""
+    something megatrain prepared. `prepared`: the compile began with megatrain's start callback
+    (compile_start.prepared_this_compile), which lifts low-precision parameters' fp32 gradients."""
     try:
-        _raise_graph_break(model, reason, facts)
+        _raise_graph_break(model, reason, facts, prepared)
     finally:
         _mark_records_read()
 
@@ -274,11 +275,10 @@ def _our_source_dirs() -> tuple[Path, ...]:
     return tuple(Path(d).resolve() for m in (sys.modules[__package__], passes, runtime) for d in m.__path__)
 
 
-def _megatrain_made(why: str, site: str) -> str | None:
+def _megatrain_made(why: str, site: str, prepared: bool) -> str | None:
     """What megatrain made that a graph break is in, or None when it is in the user's model."""
     if GRAD_DTYPE_BREAK in why:
-        from . import compile_start
-        if compile_start.prepared_this_compile():   # (else the user's torch._dynamo.reset() dropped the callbacks)
+        if prepared:   # (else the user's torch._dynamo.reset() dropped the callbacks)
             return ("a low-precision parameter whose fp32 gradient megatrain keeps on it (the compile-start callback "
                     "should have lifted it for the trace: megacompile/compile_start.py)")
     file = site.rsplit(":", 1)[0] if site else ""
@@ -287,7 +287,7 @@ def _megatrain_made(why: str, site: str) -> str | None:
     return None
 
 
-def _raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None) -> None:
+def _raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None, prepared: bool = False) -> None:
     if reason is not None and getattr(reason, "user_stack", None):
         frame = reason.user_stack[-1]
         why = str(getattr(reason, "reason", "")).split("\n")[0]
@@ -322,7 +322,7 @@ def _raise_graph_break(model: nn.Module, reason=None, facts: dict | None = None)
             "config asks for them: set e.g. model.config.output_router_logits = True instead of passing the flag "
             "in the call, or run the model once eagerly before compiling it (e.g. one forward under "
             "torch.no_grad()); after a failed compile also call torch._dynamo.reset().")
-    ours = _megatrain_made(why, site)
+    ours = _megatrain_made(why, site, prepared)
     if ours is not None:
         dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
         raise InternalError(f"Dynamo could not capture {type(model).__name__} as one graph: graph break {place}"
@@ -353,21 +353,21 @@ def _layer_group(name: str, prefix: str) -> int | None:
     return int(m.group(1)) + 1 if m else None
 
 
-def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], facts: dict | None = None
-                   ) -> tuple[ModelCapture, dict[int, nn.Parameter]]:
+def capture_inputs(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], facts: dict | None = None,
+                   prepared: bool = False) -> tuple[ModelCapture, dict[int, nn.Parameter]]:
     """Map each graph input to its role, name and weight group; also return the parameters
     by flat index (for the weight store, which holds them weakly). `facts`: what a bug report of
-    a graph break megatrain caused should say (the compile options)."""
+    a graph break megatrain caused should say (the compile options); `prepared`: raise_graph_break's."""
     top = compiled_model_in_stack()
     if top is not None:
         check_model(top, training=False, use_cache=False)
     params_here = any(isinstance(t, nn.Parameter) for t in example_inputs)
     root = find_root_module(example_inputs) if params_here or top is None else None
     if top is not None and root is not top:
-        raise_graph_break(top, facts=facts)  # Dynamo is compiling a frame nested inside the model
+        raise_graph_break(top, facts=facts, prepared=prepared)  # Dynamo is compiling a frame nested inside the model
     reason = _compile_reason()
     if getattr(reason, "graph_break", False):
-        raise_graph_break(root, reason, facts)
+        raise_graph_break(root, reason, facts, prepared)
     f_locals = _current_frame_locals() or {}
     check_model(root, training=root.training and torch.is_grad_enabled(),
                 use_cache=_effective_use_cache(root, f_locals))

@@ -13,6 +13,7 @@ import torch
 from . import interrupts
 from .errors import ConfigError, InternalError, megatrain_error_in
 from .log import console, quiet
+from .units import GivenBytes, parse_bytes  # noqa: F401 (API: megacompile.cli.GivenBytes)
 
 from .interrupts import EXIT_INTERRUPTED, EXIT_TERMINATED, Terminated  # noqa: F401 (API)
 
@@ -59,20 +60,8 @@ def positive_int(text: str) -> int:
 _MAX_SIZE = 2**31 - 1   # batch x seq must stay a valid tensor size
 
 
-class GivenBytes(int):
-    """A byte count that remembers how the user wrote it (`1T`), so output can say it back in
-    their unit next to ours (1T is 931.32 GiB, and a bare "931.32 GiB" reads like a mistake)."""
-    given: str
-
-    def __new__(cls, value: int, given: str):
-        obj = super().__new__(cls, value)
-        obj.given = given.strip()
-        return obj
-
-
 def byte_size(text: str) -> int:
     """argparse type: a byte size with a unit (e.g. 1.5T, 512GiB, 768G)."""
-    from .options import parse_bytes
     try:
         value = parse_bytes(text)
     except (ConfigError, ValueError) as e:

@@ -50,6 +50,7 @@ from .cgroup import read_int as _read_int
 from .cgroup import read_text as _read
 from .cgroup import stat_value as _stat_value
 from .errors import ConfigError
+from .units import fmt_bytes
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ _NON_NEGATIVE = ("op_overhead_us", "optimizer_gbps", "optimizer_gparams", "peer_
 _BOOLS = ("overlap", "measure_ops")
 
 
-def _is_number(v) -> bool:
+def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -110,9 +111,9 @@ def _value_problems(data: dict) -> list[str]:
         shown = f"{key}={value!r} ({type(value).__name__})"
         if key == "name" and not (isinstance(value, str) and value.strip()):
             bad.append(f"{shown} must be a non-empty string")
-        elif key in _POSITIVE and not (_is_number(value) and value > 0):
+        elif key in _POSITIVE and not (is_number(value) and value > 0):
             bad.append(f"{shown} must be a finite number > 0")
-        elif key in _NON_NEGATIVE and not (_is_number(value) and value >= 0):
+        elif key in _NON_NEGATIVE and not (is_number(value) and value >= 0):
             bad.append(f"{shown} must be a finite number >= 0"
                        + (" (0: the default)" if key in ("optimizer_gbps", "optimizer_gparams") else ""))
         elif key in _BOOLS and not isinstance(value, bool):
@@ -120,7 +121,7 @@ def _value_problems(data: dict) -> list[str]:
     return bad
 
 
-def _key_problems(data: dict, known, required) -> list[str]:
+def key_problems(data: dict, known, required) -> list[str]:
     """A profile's unknown keys (with the closest known one) and missing required keys."""
     problems = []
     for key in data:
@@ -139,7 +140,7 @@ def _profile_from_dict(data, where: str) -> Hardware:
                           f"object of rates, e.g. {{\"name\": \"my_gpu\", \"compute_tflops\": 700, ...}} with the "
                           f"keys {list(_REQUIRED)} (see megacompile/hardware.py).")
     names = [f.name for f in fields(Hardware)]
-    problems = _key_problems(data, names, _REQUIRED)
+    problems = key_problems(data, names, _REQUIRED)
     problems += _value_problems({k: v for k, v in data.items() if k in names})
     if problems:
         raise ConfigError(f"hardware profile {where}: {'; '.join(problems)}. Required keys {list(_REQUIRED)}, "
@@ -268,8 +269,8 @@ def _best_of(fn, repeat: int, inner: int = 1, sync=None) -> float:
 
 # -- host memory ------------------------------------------------------------------------------
 
-def _fmt_gib(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.1f} GiB"
+def _gib(n: float) -> str:   # (the limits' own messages: one decimal)
+    return fmt_bytes(n, unit="GiB", digits=1)
 
 
 #: a cgroup v1 limit at least this large is "no limit" (the kernel writes ~2^63 rounded to pages)
@@ -301,11 +302,11 @@ def host_memory_limit(proc_meminfo: str | os.PathLike = "/proc/meminfo",
         if avail is None:   # kernels before 3.14
             avail = sum(meminfo.get(k, 0) for k in ("MemFree", "Buffers", "Cached"))
             label = "MemFree+Buffers+Cached"
-        candidates.append((avail, f"{label} {_fmt_gib(avail)} of {_fmt_gib(meminfo['MemTotal'])}"))
+        candidates.append((avail, f"{label} {_gib(avail)} of {_gib(meminfo['MemTotal'])}"))
     else:
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            candidates.append((total, f"physical memory {_fmt_gib(total)} (sysconf)"))
+            candidates.append((total, f"physical memory {_gib(total)} (sysconf)"))
         except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
             pass
 
@@ -319,7 +320,7 @@ def host_memory_limit(proc_meminfo: str | os.PathLike = "/proc/meminfo",
                 limit = int(raw)
                 used = max(0, (_read_int(d / "memory.current") or 0) - _stat_value(d / "memory.stat", "inactive_file"))
                 candidates.append((max(0, limit - used),
-                                   f"cgroup memory.max {_fmt_gib(limit)} ({_fmt_gib(used)} in use)"))
+                                   f"cgroup memory.max {_gib(limit)} ({_gib(used)} in use)"))
         elif "memory" in controllers:   # cgroup v1 memory controller
             for d in _cgroup_dirs(root / "memory", rel):
                 limit = _read_int(d / "memory.limit_in_bytes")
@@ -328,7 +329,7 @@ def host_memory_limit(proc_meminfo: str | os.PathLike = "/proc/meminfo",
                 used = max(0, (_read_int(d / "memory.usage_in_bytes") or 0)
                            - _stat_value(d / "memory.stat", "total_inactive_file"))
                 candidates.append((max(0, limit - used),
-                                   f"cgroup memory.limit_in_bytes {_fmt_gib(limit)} ({_fmt_gib(used)} in use)"))
+                                   f"cgroup memory.limit_in_bytes {_gib(limit)} ({_gib(used)} in use)"))
     if not candidates:  # pragma: no cover - neither /proc nor sysconf
         return 16 * 2**30, "assumed 16.0 GiB (no /proc/meminfo, no sysconf)"
     return min(candidates, key=lambda c: c[0])

@@ -12,7 +12,6 @@ import difflib
 import functools
 import logging
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,20 +20,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, ContractError
-
-
-_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
-          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}
-
-
-def parse_bytes(value) -> int:
-    """1024, "80GiB", "75GB", "1.5T" -> bytes."""
-    if isinstance(value, (int, float)) and value > 0:
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
-    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
-        raise ConfigError(f"{value!r} is not a byte size; write e.g. 80GiB, 75GB or 1.5T.")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+from .units import parse_bytes  # noqa: F401 (API: megacompile.options.parse_bytes)
 
 
 def _default_device() -> str:

@@ -163,11 +163,11 @@ def capture_prefix(config, layers: int, batch: int, seq: int, slots: int, dtype,
 
 
 def _capture(config, layers: int, batch: int, seq: int, slots: int, dtype, hw: Hardware, options) -> Capture:
-    from .inspect import build_model_from_config, capture_program
+    from . import meta_model
     from .log import quiet
-    model = build_model_from_config(config, layers, dtype)
+    model = meta_model.build_model_from_config(config, layers, dtype)
     with quiet("compile"):   # (a plan's captures are not the run's compile: `megatrain train` says it plans)
-        program = capture_program(model, batch, seq, slots, hw, options)
+        program = meta_model.capture_program(model, batch, seq, slots, hw, options)
     num_layers = program.capture.num_layers
     out = {}
     for direction, done in program.compiled.items():

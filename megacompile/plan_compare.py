@@ -21,8 +21,9 @@ import time
 from dataclasses import dataclass
 
 from .errors import CannotFitError
+from .units import GivenBytes, fmt_bytes, parse_bytes
 from .hardware import BUILTIN, Hardware
-from .plan import Plan, fmt_bytes, plan_model
+from .plan import Plan, plan_model
 from .plan_capture import Capture, capture_prefix, lookaheads, recosted
 
 #: the host RAM sizes compared (as --host-ram spells them: decimal units)
@@ -48,7 +49,7 @@ class PlanMemo:
         self._captures: dict[tuple, list[tuple[Capture, Hardware]]] = {}
 
     def meta_model(self, source, layers, dtype):
-        from .inspect import build_meta_model
+        from .meta_model import build_meta_model
         key = (os.fspath(source) if isinstance(source, (str, os.PathLike)) else id(source), layers, dtype)
         if key not in self._meta:
             model, config = build_meta_model(source, layers, dtype)
@@ -184,8 +185,6 @@ def compare_plans(source, *, gpus: int = 1, ssd=None, placement: str = "auto", p
     hold the store: `ssd`, else COMPARE_NVME; none with `placement` "none" or `gpus` > 1,
     where the tier does not run), each from plan_model with `plan_options` (seq, batch, slots,
     dtype, options, vision, accum). Ordered by GPU, then RAM; the NVMe row after its RAM row."""
-    from .cli import GivenBytes
-    from .options import parse_bytes
     from .ssd import load_ssd
     tier = None if placement == "none" or gpus > 1 else load_ssd(ssd if ssd is not None else COMPARE_NVME)
     memo = PlanMemo(prepare, progress)

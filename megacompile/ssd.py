@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import ConfigError
-from .hardware import _is_number, _key_problems
+from .hardware import is_number, key_problems
 
 # -- SSD profiles (the NVMe state tier: fp32 masters and AdamW moments on disk) -------------------
 
@@ -57,14 +57,14 @@ _SSD_HELP = (f"use one of {', '.join(SSD_BUILTIN)}, the path of a JSON profile "
 
 def _ssd_problems(data: dict) -> list[str]:
     """What is wrong with an SSD profile's keys and values, one entry per problem."""
-    bad = _key_problems(data, _SSD_KEYS, _SSD_REQUIRED)
+    bad = key_problems(data, _SSD_KEYS, _SSD_REQUIRED)
     for key, value in data.items():
         shown = f"{key}={value!r}"
         if key == "name" and not (isinstance(value, str) and value.strip()):
             bad.append(f"{shown} must be a non-empty string")
-        elif key in ("read_gbps", "write_gbps") and not (_is_number(value) and value > 0):
+        elif key in ("read_gbps", "write_gbps") and not (is_number(value) and value > 0):
             bad.append(f"{shown} must be a finite number > 0 (GB/s)")
-        elif key == "capacity_gib" and not (_is_number(value) and value >= 0):
+        elif key == "capacity_gib" and not (is_number(value) and value >= 0):
             bad.append(f"{shown} must be a finite number >= 0 (0: the free space of the paths)")
         elif key == "queue_depth" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             bad.append(f"{shown} must be a whole number >= 1")

@@ -21,6 +21,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..errors import CannotFitError  # (re-exported: the schedule's peak exceeds the device budget)
 from ..ir import (BODY, MEMORY_PLAN, SCHEDULE, SEGMENT, STEP, WEIGHT_GROUP, MemoryPlan, dim_hint, host_values,
                   liveness, op_of, segment_calls, walk)
+from ..units import fmt_bytes as _fmt
 from ..ir_ops import fetch_expert_rows, linear_cross_entropy_workspace, triton_runs
 from . import PassContext, graph_pass
 # fetch_expert_rows returns the (resident) weight it fills
@@ -122,15 +123,6 @@ def body_transient_bytes(body: fx.GraphModule, triton: bool = False,
             if last.get(a, i) <= i and a in sizes:
                 live -= sizes.pop(a)
     return peak
-
-
-def _fmt(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
-
-
 
 
 def check_budget(plans: dict[str, MemoryPlan], budget: int | None, slots: int) -> None:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from .host_kernels import kernel, squared_norm
-from .store import LOW_PRECISION, _master_entry, entry_of
+from .store import LOW_PRECISION, master_entry, entry_of
 
 #: HostAdamW's `overlap` values (also accepted by `megatrain train`'s overlap_optimizer)
 OVERLAP_MODES = (False, True, "none", "forward", "backward")
@@ -186,7 +186,7 @@ class HostAdamW(torch.optim.Optimizer):
     @staticmethod
     def _buffers(p: torch.nn.Parameter) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the tensor AdamW updates, the transfer copy to refresh or None)."""
-        entry = _master_entry(p)
+        entry = master_entry(p)
         if entry is not None:
             return entry.master, entry.transfer
         return p.data, None
@@ -333,7 +333,7 @@ class HostAdamW(torch.optim.Optimizer):
             state["step"].copy_(step)
             if low is not None:
                 _put(low, pieces, master)
-                _master_entry(p).synced_version = p._version
+                master_entry(p).synced_version = p._version
             self._nonfinite.pop(p, None)
             self.counters["rolled_back"] += 1
             return
@@ -350,7 +350,7 @@ class HostAdamW(torch.optim.Optimizer):
         state["step"].copy_(step)
         if low is not None:
             low.copy_(master)   # the transfer copy is the master rounded, as the update writes it
-            _master_entry(p).synced_version = p._version
+            master_entry(p).synced_version = p._version
         self._nonfinite.pop(p, None)
         self.counters["rolled_back"] += 1
 
@@ -510,7 +510,7 @@ class HostAdamW(torch.optim.Optimizer):
                                    speculative=speculative)
             self._nonfinite[p] = bad > 0
             if low is not None:
-                _master_entry(p).synced_version = p._version
+                master_entry(p).synced_version = p._version
             return
         pieces = self._pieces(p)
         if pieces is not None:
@@ -540,7 +540,7 @@ class HostAdamW(torch.optim.Optimizer):
                       eps, wd, grad_scale)
             self._nonfinite[p] = not bool(torch.isfinite(weights).all())
         if low is not None:
-            _master_entry(p).synced_version = p._version
+            master_entry(p).synced_version = p._version
 
     def _update_pieces(self, p, grad, hyper, grad_scale, threads, pieces, weights, low, state) -> None:
         """(data parallelism) The update of the elements `pieces` of `p` alone: the same kernel
@@ -562,7 +562,7 @@ class HostAdamW(torch.optim.Optimizer):
                 bad += int(not bool(torch.isfinite(w).all()))
         self._nonfinite[p] = bad > 0
         if low is not None:
-            _master_entry(p).synced_version = p._version
+            master_entry(p).synced_version = p._version
 
     def nonfinite(self) -> list[nn.Parameter]:
         """The parameters whose last update left a NaN or inf in their weights (counted by the
@@ -580,7 +580,7 @@ class HostAdamW(torch.optim.Optimizer):
             # weight's may be the device gradient itself on the CPU, where a spare would only idle)
             for group in self.param_groups:
                 for p in group["params"]:
-                    entry = _master_entry(p) if p.grad is not None else None
+                    entry = master_entry(p) if p.grad is not None else None
                     if entry is not None:
                         entry.spare_grad = p.grad
         super().zero_grad(set_to_none=set_to_none)

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .store import LOW_PRECISION, _entry_for
+from .store import LOW_PRECISION, entry_for
 
 log = logging.getLogger("megatrain.tier")
 
@@ -208,7 +208,7 @@ class StateTier:
         q = self._params[p]
         master = None
         if "master" in q.arrays:
-            entry = _entry_for(p, name, False)
+            entry = entry_for(p, name, False)
             master = entry.master.view(-1)
         for i, t in enumerate(q.tiles):
             buf = self._take()

@@ -240,7 +240,7 @@ def entry_of(p: nn.Parameter) -> WeightEntry | None:
     return getattr(p, _ENTRY, None)
 
 
-def _master_entry(p: nn.Parameter) -> WeightEntry | None:
+def master_entry(p: nn.Parameter) -> WeightEntry | None:
     """The entry of `p` if it has an fp32 master (a registered low-precision parameter)."""
     entry = getattr(p, _ENTRY, None)
     return entry if entry is not None and entry.master is not None else None
@@ -251,7 +251,7 @@ def _live_entries(optimizer: torch.optim.Optimizer):
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if (entry := _master_entry(p)) is not None:
+            if (entry := master_entry(p)) is not None:
                 yield entry
 
 
@@ -284,7 +284,7 @@ def register(params: dict[int, nn.Parameter], names: dict[int, str], pin: bool, 
     `heap` (data parallelism, runtime/node_heap.py) the fp32 masters, AdamW moments and fp32
     gradients of the trainable ones live in the node's shared memory (allocated in flat index
     order: the same offsets on every rank)."""
-    entries = {index: _entry_for(p, names[index], pin) for index, p in params.items()}
+    entries = {index: entry_for(p, names[index], pin) for index, p in params.items()}
     if heap is not None:
         moving = [entries[i] for i in sorted(entries)
                   if entries[i].grad_home is None and entries[i].param.requires_grad]
@@ -312,7 +312,7 @@ def _to_heap(entry: WeightEntry, heap) -> None:
     entry.grad_home = heap.alloc(shape, torch.float32)
 
 
-def _entry_for(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
+def entry_for(p: nn.Parameter, name: str, pin: bool) -> WeightEntry:
     """The entry of `p`, created on first use (it goes with the parameter)."""
     entry = getattr(p, _ENTRY, None)
     if entry is None:
@@ -337,7 +337,7 @@ def master_weight(p: nn.Parameter) -> torch.Tensor:
     entry = entry_of(p)
     if entry is not None:
         entry.wait_ready()
-    entry = _master_entry(p)
+    entry = master_entry(p)
     if entry is not None and entry.tier is not None:
         return entry.tier.read(p, "master")
     return entry.master if entry is not None else p.detach()
@@ -347,7 +347,7 @@ def set_master(p: nn.Parameter, value: torch.Tensor, name: str = "", pin: bool =
     """Set a parameter's weights from an fp32 tensor without rounding its master (resume from a
     checkpoint): the master takes `value` exactly and the transfer copy is refreshed from it.
     Works before the model is compiled: the entry is created now and the backend reuses it."""
-    entry = _entry_for(p, name, pin)
+    entry = entry_for(p, name, pin)
     with torch.no_grad():
         if entry.master is None:
             p.data.copy_(value)
@@ -365,7 +365,7 @@ class masters_shown:
     optimizer step), e.g. to load optimizer state without torch casting it to bf16."""
 
     def __init__(self, params):
-        self.entries = [e for p in params if (e := _master_entry(p)) is not None]
+        self.entries = [e for p in params if (e := master_entry(p)) is not None]
 
     def __enter__(self):
         for e in self.entries:

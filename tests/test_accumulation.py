@@ -202,9 +202,10 @@ def test_which_breaks_are_megatrain_s_own():
 
     from megacompile import capture
     ours = Path(capture.__file__).with_name("attention.py")
-    assert "megatrain's own code" in capture._megatrain_made("Unsupported function call", f"{ours}:40")
+    assert "megatrain's own code" in capture._megatrain_made("Unsupported function call", f"{ours}:40", False)
     runtime = Path(capture._our_source_dirs()[-1]) / "executor.py"
-    assert capture._megatrain_made("data dependent operator", f"{runtime}:10") is not None
+    assert capture._megatrain_made("data dependent operator", f"{runtime}:10", False) is not None
     transformers = Path(torch.__file__).parents[1] / "transformers" / "models" / "llama" / "modeling_llama.py"
-    assert capture._megatrain_made("Unsupported function call", f"{transformers}:67") is None
-    assert capture._megatrain_made(capture.GRAD_DTYPE_BREAK, f"{transformers}:67") is None   # (no compile running)
+    assert capture._megatrain_made("Unsupported function call", f"{transformers}:67", True) is None
+    assert capture._megatrain_made(capture.GRAD_DTYPE_BREAK, f"{transformers}:67", False) is None   # (not prepared)
+    assert "fp32 gradient" in capture._megatrain_made(capture.GRAD_DTYPE_BREAK, f"{transformers}:67", True)

@@ -14,6 +14,7 @@ import pytest
 from conftest import tiny_config
 
 import megacompile.inspect
+import megacompile.meta_model
 import megacompile.plan
 from megacompile.cli import main
 from megacompile.errors import CannotFitError, ConfigError, TrainingError
@@ -209,7 +210,7 @@ ENCODER_DECODER = {
 @pytest.mark.parametrize("command", ["plan", "inspect"])
 @pytest.mark.parametrize("model_type", sorted(ENCODER_DECODER))
 def test_encoder_decoder_models_are_refused_before_tracing(command, model_type, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(megacompile.inspect, "capture_program", lambda *a, **k: pytest.fail("traced"))
+    monkeypatch.setattr(megacompile.meta_model, "capture_program", lambda *a, **k: pytest.fail("traced"))
     path = tmp_path / "config.json"
     _config(model_type, **ENCODER_DECODER[model_type]).to_json_file(path)
     assert main([command, str(path), "--seq", "16", "--gpu", "h100",
@@ -220,7 +221,7 @@ def test_encoder_decoder_models_are_refused_before_tracing(command, model_type, 
 
 @pytest.mark.parametrize("model_type", ["bert", "roberta"])
 def test_encoder_only_models_are_refused_before_tracing(model_type, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(megacompile.inspect, "capture_program", lambda *a, **k: pytest.fail("traced"))
+    monkeypatch.setattr(megacompile.meta_model, "capture_program", lambda *a, **k: pytest.fail("traced"))
     path = tmp_path / "config.json"
     _config(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
             vocab_size=128).to_json_file(path)

@@ -192,7 +192,7 @@ def test_train_freeze_resumes_bit_for_bit_and_exports(tiny_dir, tmp_path, capsys
     said = capsys.readouterr().out
     assert "[megatrain] freeze: trains layer 0 of 2, modules self_attn,mlp" in said
     # the preflight ran on the frozen meta model: moments and gradients of the trainable weights only
-    from megacompile.plan import fmt_bytes
+    from megacompile.units import fmt_bytes
     trained = sum(p.numel() for n, p in AutoModelForCausalLM.from_pretrained(tiny_dir).named_parameters()
                   if n.startswith(("model.layers.0.self_attn", "model.layers.0.mlp")))
     assert f"AdamW {fmt_bytes(8 * trained)}, " in said and f"grads {fmt_bytes(4 * trained)})" in said

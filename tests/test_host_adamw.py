@@ -306,8 +306,8 @@ def test_a_store_entry_lives_on_its_parameter():
 
     from megacompile.runtime import store
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    entry = store._entry_for(p, "w", False)
-    assert store.entry_of(p) is entry and store._entry_for(p, "w", False) is entry and entry.master is not None
+    entry = store.entry_for(p, "w", False)
+    assert store.entry_of(p) is entry and store.entry_for(p, "w", False) is entry and entry.master is not None
     assert store.entry_of(copy.deepcopy(p)) is None
     buf = io.BytesIO()
     torch.save(torch.nn.ParameterList([p]), buf)

@@ -243,7 +243,7 @@ def test_capture_returns_the_graphs_outputs_without_running_the_layers(monkeypat
     the traced shapes."""
     import torch
 
-    import megacompile.inspect as inspect
+    import megacompile.meta_model as inspect
     real, graphs = inspect.megatrain_backend, []
 
     def backend(gm, example_inputs, **kw):

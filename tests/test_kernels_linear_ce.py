@@ -158,8 +158,8 @@ def test_custom_op_runs_the_kernel(dtype, monkeypatch):
     from megacompile.runtime.kernels import linear_cross_entropy as module
     from megacompile.runtime.kernels import ops  # noqa: F401
     calls = []
-    kernel = module._loss_and_grad_chunk
-    monkeypatch.setattr(module, "_loss_and_grad_chunk", lambda *a: calls.append(1) or kernel(*a))
+    kernel = module.loss_and_grad_chunk
+    monkeypatch.setattr(module, "loss_and_grad_chunk", lambda *a: calls.append(1) or kernel(*a))
     hidden, weight, labels = _inputs(19, 24, 200, dtype, seed=3, ignore_frac=0.3, shape=(1, 19))
     loss, _, _ = torch.ops.megatrain.linear_cross_entropy(hidden, weight, labels, -100, "mean", True, True)
     ref = linear_cross_entropy_reference(hidden, weight, labels)

@@ -2,11 +2,14 @@
 schedule ops, and megacompile/ir_ops.py, the custom ops passes insert): runtime/ imports only
 the IR layer, the errors, the process topology (megacompile/distributed.py, which imports only
 the errors) and itself; the compiler side (passes/, cost_model, simulate) never
-imports the runtime; the IR layer imports neither side. Checked on the source (every import
-statement, also inside functions)."""
+imports the runtime; the IR layer imports neither side. Across the whole package: no import
+cycle between modules, and no module imports another's private (`_name`) names. Checked on the
+source (every import statement, also inside functions: an import deferred into a function is
+still a dependency)."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +96,62 @@ def test_each_pass_has_a_stable_identity_that_its_options_values_extend():
     schedule = next(p for p in all_passes() if p.name == "schedule")
     two, one = (PassContext("forward", 4, {}, slots=s).view("schedule", schedule.uses) for s in (2, 1))
     assert schedule.identity_with(two) == schedule.identity_with(two) != schedule.identity_with(one)
+
+
+def _package_modules() -> dict[str, Path]:
+    return {_module_of(p): p for folder in ("megacompile", "passes", "runtime") for p in _files(folder)}
+
+
+def import_graph():
+    """(module -> the modules it imports, [(importer, module, private name)]) over the package:
+    `from X import name` is an edge to X (to X.name where that is a module); the private names
+    are `_name`s imported from another module."""
+    import networkx as nx
+    modules = _package_modules()
+
+    def owner(name: str) -> tuple[str | None, str]:
+        parts = name.split(".")
+        for i in range(len(parts), 0, -1):
+            if ".".join(parts[:i]) in modules:
+                return ".".join(parts[:i]), ".".join(parts[i:])
+        return None, ""
+    graph, private = nx.DiGraph(), []
+    for module, path in modules.items():
+        graph.add_node(module)
+        for name in imports(path):
+            target, rest = owner(name)
+            if target is None or target == module:
+                continue
+            graph.add_edge(module, target)
+            if rest.startswith("_") and not rest.startswith("__"):
+                private.append((module, target, rest))
+    return graph, private
+
+
+def test_no_import_cycle_in_the_package():
+    """Imports run one way (a cycle means two modules are one concern, or a third is missing)."""
+    import networkx as nx
+    graph, _ = import_graph()
+    cycles = sorted(sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1)
+    assert not cycles, cycles
+
+
+def test_no_module_imports_another_s_private_names():
+    _, private = import_graph()
+    assert not private, sorted(private)
+
+
+def test_the_graph_checks_are_live(tmp_path, monkeypatch):
+    """A cycle and a private import written into a copy of two modules are found."""
+    import networkx as nx
+    graph, _ = import_graph()
+    assert graph.has_edge("megacompile.train.checkpoint", "megacompile.train.checkpoint_files")
+    graph.add_edge("megacompile.train.checkpoint_files", "megacompile.train.checkpoint")
+    assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
+    fake = tmp_path / "megacompile" / "train" / "lora.py"
+    fake.parent.mkdir(parents=True)
+    fake.write_text("from .checkpoint import _damaged\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    (tmp_path / "megacompile" / "train" / "checkpoint.py").write_text("")
+    _, private = import_graph()
+    assert private == [("megacompile.train.lora", "megacompile.train.checkpoint", "_damaged")]

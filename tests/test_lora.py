@@ -314,7 +314,7 @@ def test_preflight_and_plan_count_only_the_adapters(tiny_dir, tmp_path):
 def test_megatrain_plan_counts_the_adapters(tiny_dir, tmp_path, capsys):
     import re
     from megacompile.cli import main
-    from megacompile.plan import fmt_bytes
+    from megacompile.units import fmt_bytes
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"model_name_or_path: {tiny_dir}\ndataset: alpaca_demo\ndataset_dir: {Path(__file__).parent.parent}"
                    f"/examples/data\noutput_dir: {tmp_path / 'out'}\nfinetuning_type: lora\nlora_target: q_proj\n"

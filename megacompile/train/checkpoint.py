@@ -51,55 +51,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from ..errors import CannotFitError, MegatrainError, TrainingError
+from ..errors import CannotFitError, TrainingError
+from ..units import fmt_bytes as _fmt
 from ..runtime.store import master_weight, masters_shown, set_master
 from ..vlm import store_parameters
 from . import rng_state
+from .checkpoint_files import (CHECKPOINT_NAME, MAX_SHARD_SIZE, TRAINER, WEIGHTS,  # noqa: F401 (API)
+                               WEIGHTS_INDEX, CheckpointError, checkpoints, damaged, elsewhere, finite,
+                               is_megatrain, step_of, trainer_shaped, write_model_files, write_weights)
 
 if TYPE_CHECKING:
     from .checkpoint_tier import Moments
 
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 _PREV = re.compile(r"^checkpoint-(\d+)\.prev$")
-WEIGHTS = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
 FILES = (WEIGHTS, "optimizer.pt", "rng.json")   # (sharded weights: the index instead of model.safetensors)
-TRAINER = "trainer.json"
-MAX_SHARD_SIZE = "5GB"   # save_pretrained's shard size before transformers 5 (5.x writes 50 GB shards)
-
-
-class CheckpointError(MegatrainError):
-    """A checkpoint is missing, damaged or does not match this run."""
 
 
 class DiskSpaceError(CheckpointError, CannotFitError):
     """A checkpoint does not fit the free space of its file system (exit code 3)."""
-
-
-def _fmt(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def step_of(path: Path) -> int:
-    m = _NAME.match(Path(path).name)
-    if m is None:
-        raise CheckpointError(f"{path} is not a checkpoint-N folder.")
-    return int(m.group(1))
-
-
-def checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints in `output_dir` (their trainer.json is written last), oldest first."""
-    out = Path(output_dir)
-    if not out.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()
-             and is_megatrain(p)]
-    return [p for _, p in sorted(found)]
 
 
 def recover(output_dir: str | Path) -> list[str]:
@@ -169,34 +140,6 @@ def _make_room(out: Path, step: int, need: int, limit: int | None) -> None:
             "oldest are then removed before a save that needs their space). The previous checkpoints are intact.")
 
 
-def _write_weights(tensors: dict[str, torch.Tensor], folder: Path) -> None:
-    """`tensors` as save_pretrained writes them: one model.safetensors, or shards of at most
-    MAX_SHARD_SIZE and their index (huggingface_hub plans the shards, as for save_pretrained)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    split = split_torch_state_dict_into_shards(tensors, filename_pattern="model{suffix}.safetensors",
-                                               max_shard_size=MAX_SHARD_SIZE)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({n: tensors[n] for n in names}, str(folder / filename))
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": sum(t.numel() for t in tensors.values()), **split.metadata},
-                 "weight_map": split.tensor_to_filename}
-        (folder / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _write_model_files(model: torch.nn.Module, saver, folder: Path) -> None:
-    """config.json (with the model's architecture, as save_pretrained writes it), the generation
-    config and the tokenizer's or processor's files: what from_pretrained needs besides weights."""
-    import copy
-    config = copy.deepcopy(model.config)   # (the live model's config is not changed)
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder)
-    generation = getattr(model, "generation_config", None)
-    if generation is not None and getattr(model, "can_generate", lambda: False)():
-        generation.save_pretrained(folder)
-    if saver is not None:
-        saver.save_pretrained(folder)
-
-
 def _weights_to_save(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
     """Parameter name -> fp32 master (tied weights once, under their first name), and the
     persistent buffers, so from_pretrained finds every tensor of the state dict. `trainable_only`
@@ -237,7 +180,7 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     try:
         tmp.mkdir(parents=True)
         if tier is None:
-            _write_weights(masters, tmp)
+            write_weights(masters, tmp)
         else:
             checkpoint_tier.write_weights(model, tier, tmp, step, trainable_only=adapter)
         if adapter:   # as LLaMA-Factory's LoRA checkpoints: PeftModel.from_pretrained(base, checkpoint-N)
@@ -245,7 +188,7 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
             if saver is not None:
                 saver.save_pretrained(tmp)
         else:
-            _write_model_files(model, saver, tmp)
+            write_model_files(model, saver, tmp)
         if tier is None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         else:
@@ -304,23 +247,6 @@ class Loaded:
         return self.trainer["step"]
 
 
-def _damaged(path: Path, name: str, why: str) -> CheckpointError:
-    return CheckpointError(f"{path / name} is damaged ({why}). " + _elsewhere(path))
-
-
-def _elsewhere(path: Path) -> str:
-    """What to resume from instead of a damaged checkpoint."""
-    older = [p for p in checkpoints(path.parent) if _NAME.match(path.name) and step_of(p) < step_of(path)]
-    if older:
-        return (f"The previous complete checkpoint is {older[-1]}: set resume_from_checkpoint: {older[-1]} "
-                "(or true, which falls back to the newest checkpoint that loads).")
-    return "There is no earlier checkpoint in this folder: start the run again in a new output_dir."
-
-
-def _finite(tensors: dict[str, torch.Tensor]) -> list[str]:
-    return [k for k, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
-
-
 def read(path: str | Path, stream: bool | None = None) -> Loaded:
     """Parse and check every file of a checkpoint; raises CheckpointError naming the file.
     `stream`: check the weights tensor by tensor and keep none of them (Loaded.masters reads
@@ -333,13 +259,13 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
                               "for the latest in output_dir.")
     if not (path / TRAINER).is_file():
         raise CheckpointError(f"{path} is not a complete checkpoint (no {TRAINER}, which is written last). "
-                              + _elsewhere(path))
+                              + elsewhere(path))
     try:
         trainer = json.loads((path / TRAINER).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _damaged(path, TRAINER, f"not valid JSON: {e}") from None
-    if not _trainer_shaped(trainer):
-        raise _damaged(path, TRAINER, "it lacks step, scheduler, data or state")
+        raise damaged(path, TRAINER, f"not valid JSON: {e}") from None
+    if not trainer_shaped(trainer):
+        raise damaged(path, TRAINER, "it lacks step, scheduler, data or state")
     _check_steps(path, trainer)
     legacy_rng = not (path / "rng.json").exists() and (path / "rng.pt").is_file()   # an earlier megatrain's
     names = [n for n in FILES if not (legacy_rng and n == "rng.json")] + (["rng.pt"] if legacy_rng else [])
@@ -347,13 +273,13 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
         names = [WEIGHTS_INDEX if n == WEIGHTS else n for n in names]
     for name in names:
         if not (path / name).is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + _elsewhere(path))
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + elsewhere(path))
     for name, size in (trainer.get("files") or {}).items():
         if not (path / name).is_file():
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + _elsewhere(path))
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {name}). " + elsewhere(path))
         actual = (path / name).stat().st_size
         if actual != size:
-            raise _damaged(path, name, f"{actual} bytes where the checkpoint wrote {size}: truncated or changed")
+            raise damaged(path, name, f"{actual} bytes where the checkpoint wrote {size}: truncated or changed")
     if stream is None:   # (a tier's optimizer.pt names its moment shards: nothing to map)
         stream = any(f.name.startswith(checkpoint_tier.MOMENTS + "-") for f in path.iterdir())
     try:
@@ -361,32 +287,27 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
         optimizer = torch.load(path / "optimizer.pt", weights_only=True, map_location="cpu", mmap=bool(stream))
     except Exception as e:   # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ...
         why = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise _damaged(path, "optimizer.pt", f"{type(e).__name__}: {why[:300]}") from None
+        raise damaged(path, "optimizer.pt", f"{type(e).__name__}: {why[:300]}") from None
     if not isinstance(optimizer, dict) or not isinstance(optimizer.get("state"), dict) or \
             not isinstance(optimizer.get("param_groups"), list):
-        raise _damaged(path, "optimizer.pt", "not an optimizer state_dict")
+        raise damaged(path, "optimizer.pt", "not an optimizer state_dict")
     _check_optimizer_steps(path, trainer, optimizer)
     moments = {f"state[{k}].{n}": v for k, s in optimizer["state"].items() if isinstance(s, dict)
                for n, v in s.items() if isinstance(v, torch.Tensor)}
-    if bad := _finite(moments):
+    if bad := finite(moments):
         raise CheckpointError(f"{path / 'optimizer.pt'}: the optimizer state {', '.join(bad[:3])} is not finite. "
-                              + _elsewhere(path))
+                              + elsewhere(path))
     tiered = checkpoint_tier.read_moments(path, optimizer) if "moments" in optimizer else None
     masters = checkpoint_tier.ShardedMasters(path, _shards(path)) if stream else _read_weights(path)
     try:
         rng = rng_state.from_legacy(path / "rng.pt") if legacy_rng else json.loads((path / "rng.json").read_text())
         rng_state.check(rng)
     except (json.JSONDecodeError, UnicodeDecodeError, rng_state.RNGStateError) as e:
-        raise _damaged(path, "rng.pt" if legacy_rng else "rng.json", str(e)) from None
+        raise damaged(path, "rng.pt" if legacy_rng else "rng.json", str(e)) from None
     except Exception as e:   # noqa: BLE001 - a legacy pickle that weights_only refuses
-        raise _damaged(path, "rng.pt",
+        raise damaged(path, "rng.pt",
                        f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}") from None
     return Loaded(path, masters, optimizer, rng, trainer, tiered)
-
-
-def _trainer_shaped(trainer) -> bool:
-    return isinstance(trainer, dict) and type(trainer.get("step")) is int \
-        and all(isinstance(trainer.get(k), dict) for k in ("scheduler", "data", "state"))
 
 
 def _check_steps(path: Path, trainer: dict) -> None:
@@ -394,12 +315,12 @@ def _check_steps(path: Path, trainer: dict) -> None:
     trainer state's step, the scheduler's count and the folder's name (a hand-edited or
     mixed-up checkpoint resumes at the wrong place, or reports an untrained run finished)."""
     step = trainer["step"]
-    said = {"the folder's name": step_of(path) if _NAME.match(path.name) else step,
+    said = {"the folder's name": step_of(path) if CHECKPOINT_NAME.match(path.name) else step,
             "its trainer state": trainer["state"].get("step", step),
             "its scheduler": trainer["scheduler"].get("last_epoch", step)}
     wrong = [f"{where} says {value}" for where, value in said.items() if value != step]
     if step < 0 or wrong:
-        raise _damaged(path, TRAINER, f"its step is {step} but {'; '.join(wrong) or 'a step is never negative'}: "
+        raise damaged(path, TRAINER, f"its step is {step} but {'; '.join(wrong) or 'a step is never negative'}: "
                                       "its parts disagree (edited, or files of two checkpoints mixed)")
 
 
@@ -412,18 +333,9 @@ def _check_optimizer_steps(path: Path, trainer: dict, optimizer: dict) -> None:
         return
     expected = trainer["step"] - int(trainer["state"].get("skipped_steps", 0) or 0)
     if int(max(counts)) != expected:
-        raise _damaged(path, "optimizer.pt", f"its AdamW state took {int(max(counts))} steps where {TRAINER} says "
+        raise damaged(path, "optimizer.pt", f"its AdamW state took {int(max(counts))} steps where {TRAINER} says "
                                              f"{expected} ({trainer['step']} steps less the skipped): it is another "
                                              "checkpoint's optimizer state")
-
-
-def is_megatrain(path: Path) -> bool:
-    """Whether `path` is a checkpoint folder megatrain wrote: its trainer.json has megatrain's
-    fields (a Hugging Face Trainer's checkpoint-N holds trainer_state.json, never this)."""
-    try:
-        return _trainer_shaped(json.loads((Path(path) / TRAINER).read_text()))
-    except (OSError, ValueError):
-        return False
 
 
 def _shards(path: Path) -> list[str]:
@@ -434,13 +346,13 @@ def _shards(path: Path) -> list[str]:
         weight_map = json.loads((path / WEIGHTS_INDEX).read_text())["weight_map"]
         shards = sorted(set(weight_map.values()))
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
-        raise _damaged(path, WEIGHTS_INDEX, f"not a safetensors index ({type(e).__name__})") from None
+        raise damaged(path, WEIGHTS_INDEX, f"not a safetensors index ({type(e).__name__})") from None
     for name in shards:   # plain names in this folder: an index cannot point elsewhere
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise _damaged(path, WEIGHTS_INDEX, f"its weight_map names {name!r}, not a file of the checkpoint")
+            raise damaged(path, WEIGHTS_INDEX, f"its weight_map names {name!r}, not a file of the checkpoint")
         if not (path / name).is_file():
             raise CheckpointError(f"{path} is not a complete checkpoint (no {name}, a shard its index names). "
-                                  + _elsewhere(path))
+                                  + elsewhere(path))
     return shards
 
 
@@ -451,11 +363,11 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         try:
             part = load_file(str(path / name))
         except (SafetensorError, OSError, ValueError) as e:
-            raise _damaged(path, name, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+            raise damaged(path, name, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
         masters.update(part)
-        if bad := _finite(part):
+        if bad := finite(part):
             raise CheckpointError(f"{path / name}: the weights {', '.join(bad[:3])} are not finite (NaN or inf), so "
-                                  "training from it would train nothing. " + _elsewhere(path))
+                                  "training from it would train nothing. " + elsewhere(path))
     return masters
 
 

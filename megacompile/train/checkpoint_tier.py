@@ -32,8 +32,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import TrainingError
-from ..runtime.store import _master_entry, master_weight
-from .checkpoint import MAX_SHARD_SIZE, WEIGHTS_INDEX, CheckpointError, _damaged, _elsewhere, _finite
+from ..runtime.store import master_entry, master_weight
+from .checkpoint_files import MAX_SHARD_SIZE, WEIGHTS_INDEX, CheckpointError, damaged, elsewhere, finite
 
 MOMENTS = "optimizer-moments"           # the moment shards' name; optimizer.pt's "moments" says it
 MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
@@ -61,7 +61,7 @@ def _split(meta: dict[str, torch.Tensor], prefix: str, numbered: bool = False):
 def _master_dtype(p: torch.nn.Parameter, tier) -> torch.dtype:
     """The dtype master_weight(p) returns: fp32 for a low-precision weight with a master (in RAM
     or in the tier), else the parameter's own."""
-    if p.dtype in _LOW and (_master_entry(p) is not None or (tier is not None and p in tier)):
+    if p.dtype in _LOW and (master_entry(p) is not None or (tier is not None and p in tier)):
         return torch.float32
     return p.dtype
 
@@ -77,7 +77,7 @@ def _from_tier(step: int, read, *args) -> torch.Tensor:
 
 
 def write_weights(model: torch.nn.Module, tier, folder: Path, step: int, trainable_only: bool = False) -> None:
-    """model.safetensors (or its shards and index) as checkpoint._write_weights writes them for
+    """model.safetensors (or its shards and index) as checkpoint_files.write_weights writes them for
     the same model, holding one shard of masters at a time; non-finite weights raise TrainingError
     (the caller removes the partial folder)."""
     sources: dict[str, torch.nn.Parameter | torch.Tensor] = {
@@ -95,7 +95,7 @@ def write_weights(model: torch.nn.Module, tier, folder: Path, step: int, trainab
             s = sources[name]
             shard[name] = (_from_tier(step, master_weight, s).detach().contiguous()
                            if isinstance(s, torch.nn.Parameter) else s)
-        if bad := _finite(shard):   # never write a checkpoint that cannot be trained from
+        if bad := finite(shard):   # never write a checkpoint that cannot be trained from
             raise TrainingError(
                 f"step {step}: the weights {', '.join(bad[:3])}{' ...' if len(bad) > 3 else ''} are not finite, so "
                 f"checkpoint-{step} is not written; the previous checkpoints are intact. Lower learning_rate (or "
@@ -133,7 +133,7 @@ def write_optimizer(optimizer, folder: Path, step: int) -> None:
             for key in keys:
                 i, name = key.split(".", 1)
                 shard[key] = _from_tier(step, tier.read, tiered[int(i)], name).contiguous()
-            if bad := _finite(shard):
+            if bad := finite(shard):
                 raise TrainingError(
                     f"step {step}: the optimizer state {', '.join(bad[:3])} is not finite, so checkpoint-{step} is not "
                     "written; the previous checkpoints are intact. Lower learning_rate (or raise warmup_steps) and "
@@ -159,14 +159,14 @@ def _open(path: Path, name: str):
     try:
         return safe_open(str(path / name), framework="pt")
     except (SafetensorError, OSError, ValueError) as e:
-        raise _damaged(path, name, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise damaged(path, name, str(e).splitlines()[0] if str(e) else type(e).__name__) from None
 
 
 def _tensor(path: Path, name: str, f, key: str) -> torch.Tensor:
     try:
         return f.get_tensor(key)
     except (SafetensorError, OSError, ValueError) as e:
-        raise _damaged(path, name, f"{key}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise damaged(path, name, f"{key}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
 class ShardedMasters(Mapping):
@@ -181,9 +181,9 @@ class ShardedMasters(Mapping):
             with _open(path, name) as f:
                 for key in f.keys():
                     t = _tensor(path, name, f, key)
-                    if bad := _finite({key: t}):
+                    if bad := finite({key: t}):
                         raise CheckpointError(f"{path / name}: the weights {bad[0]} are not finite (NaN or inf), so "
-                                              "training from it would train nothing. " + _elsewhere(path))
+                                              "training from it would train nothing. " + elsewhere(path))
                     self._where[key] = (name, tuple(t.shape))
                     del t
 
@@ -230,14 +230,14 @@ class Moments:
 def moment_files(path: Path, prefix) -> list[str]:
     """The moment shards optimizer.pt's "moments" names: prefix-0000k-of-0000n, every k present."""
     if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix) or prefix.startswith("."):
-        raise _damaged(path, "optimizer.pt", f"its moments entry {prefix!r} is not a file name of the checkpoint")
+        raise damaged(path, "optimizer.pt", f"its moments entry {prefix!r} is not a file name of the checkpoint")
     pattern = re.compile(rf"^{re.escape(prefix)}-(\d{{5}})-of-(\d{{5}})\.safetensors$")
     found = sorted((int(m.group(1)), int(m.group(2)), f.name) for f in path.iterdir() if (m := pattern.match(f.name)))
     counts = {n for _, n, _ in found}
     if not found or len(counts) != 1 or [k for k, _, _ in found] != list(range(1, counts.pop() + 1)):
         raise CheckpointError(f"{path} is not a complete checkpoint (the moment shards {prefix}-0000k-of-0000n."
                               f"safetensors are missing or do not match: found {[f for _, _, f in found][:4]}). "
-                              + _elsewhere(path))
+                              + elsewhere(path))
     return [f for _, _, f in found]
 
 
@@ -251,23 +251,23 @@ def read_moments(path: Path, optimizer: dict) -> Moments:
             for key in f.keys():
                 m = _KEY.match(key)
                 if m is None:
-                    raise _damaged(path, name, f"it holds {key!r}, not a moment of the optimizer state")
+                    raise damaged(path, name, f"it holds {key!r}, not a moment of the optimizer state")
                 index, moment = int(m.group(1)), m.group(2)
                 if not isinstance(state.get(index), dict) or moment in state[index] or key in where:
-                    raise _damaged(path, name, f"{key}: no such parameter in optimizer.pt's state, or its moment "
+                    raise damaged(path, name, f"{key}: no such parameter in optimizer.pt's state, or its moment "
                                                "is there twice")
                 t = _tensor(path, name, f, key)
                 if t.dtype != torch.float32:
-                    raise _damaged(path, name, f"{key} is {t.dtype}, not float32")
-                if bad := _finite({key: t}):
+                    raise damaged(path, name, f"{key} is {t.dtype}, not float32")
+                if bad := finite({key: t}):
                     raise CheckpointError(f"{path / name}: the optimizer state {bad[0]} is not finite. "
-                                          + _elsewhere(path))
+                                          + elsewhere(path))
                 where[key] = (name, tuple(t.shape))
                 del t
     for index, s in state.items():
         lost = [n for n in MOMENT_NAMES if isinstance(s, dict) and n not in s and f"{index}.{n}" not in where]
         if lost:
-            raise _damaged(path, "optimizer.pt", f"parameter {index}'s {lost[0]} is neither in it nor in {files[0]}")
+            raise damaged(path, "optimizer.pt", f"parameter {index}'s {lost[0]} is neither in it nor in {files[0]}")
     return Moments(path, files, where)
 
 

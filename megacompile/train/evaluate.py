@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CannotFitError, ConfigError
+from .split import holdout_indices  # noqa: F401 (API: megacompile.train.evaluate.holdout_indices)
 from .data import IGNORE, DataError, build_examples, collate, lengths_vary, mark_lengths_dynamic
 
 STRATEGIES = ("no", "steps", "epoch")
@@ -77,21 +78,6 @@ class EvalSet:
     note: str = ""       # for the log: where the eval examples come from
     # eval_on_each_dataset: {data set name: its eval examples}, each evaluated and logged on its own
     parts: dict | None = None
-
-
-def holdout_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train indices, eval indices) of `n` records, as LLaMA-Factory's split_dataset chooses them:
-    `datasets.Dataset.train_test_split(test_size=val_size, seed=seed)` (a fraction rounds the eval
-    count up; a count above 1 is a number of records). Called on an index column, so the very same
-    permutation picks the same rows that LLaMA-Factory holds out of the same records."""
-    import datasets
-    test_size: float | int = int(val_size) if val_size >= 1 else float(val_size)
-    count = test_size if isinstance(test_size, int) else math.ceil(test_size * n)
-    if count >= n:
-        raise ConfigError(f"val_size={val_size} holds out {count} of the {n} records, leaving none to train on: "
-                          "lower val_size.")
-    split = datasets.Dataset.from_dict({"i": list(range(n))}).train_test_split(test_size=test_size, seed=seed)
-    return list(split["train"]["i"]), list(split["test"]["i"])
 
 
 def eval_set(config, tokenizer, images, examples: list, counts: dict) -> EvalSet:

@@ -196,7 +196,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_merged(model: nn.Module, folder: Path, saver=None) -> None:
     """A Hugging Face model folder with the adapters merged (merge_lora: true), loadable with
     AutoModelForCausalLM.from_pretrained like a full fine-tune's output; `saver`: the tokenizer."""
-    from .checkpoint import _write_model_files, _write_weights
+    from .checkpoint_files import write_model_files, write_weights
     folder.mkdir(parents=True)
     tensors = merged_state_dict(model)
     tied = getattr(model.config, "tie_word_embeddings", False) and getattr(model, "_tied_weights_keys", None)
@@ -206,8 +206,8 @@ def save_merged(model: nn.Module, folder: Path, saver=None) -> None:
             del tensors["lm_head.weight"]   # (a tied head is stored once, as save_pretrained does)
         else:   # additional_target trained one of the two: from_pretrained must not tie them again
             untie = True
-    _write_weights({k: v.contiguous() for k, v in tensors.items()}, folder)
-    _write_model_files(model, saver, folder)
+    write_weights({k: v.contiguous() for k, v in tensors.items()}, folder)
+    write_model_files(model, saver, folder)
     if untie:
         saved = json.loads((folder / "config.json").read_text())
         saved["tie_word_embeddings"] = False

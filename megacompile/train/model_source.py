@@ -89,7 +89,7 @@ class ModelSource:
     def _load_config(self, source: str) -> None:
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-        from ..inspect import check_decoder_only
+        from ..meta_model import check_decoder_only
         remote = self.config.trust_remote_code
         try:
             self.hf_config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
@@ -159,5 +159,5 @@ class ModelSource:
 
 
 def _hub_available() -> bool:
-    from .data import _hub_reachable
-    return os.environ.get("HF_HUB_OFFLINE") == "1" or _hub_reachable()
+    from .sources import hub_reachable
+    return os.environ.get("HF_HUB_OFFLINE") == "1" or hub_reachable()

@@ -32,7 +32,7 @@ def choose_tier(model, device: torch.device, config) -> tuple[str, SSD | None]:
         return "none", None
     from ..hardware import host_memory_limit
     from ..ssd import load_ssd
-    from ..plan import tier_placement
+    from ..host_store import tier_placement
     from .tier_keys import tier_dirs
     ssd = load_ssd(config.nvme)
     ssd = dataclasses.replace(ssd, paths=tier_dirs(config, ssd.paths))
@@ -45,7 +45,8 @@ def preflight(model, device: torch.device, vision: str = "frozen", placement: st
     and the SSD bytes against the free space of its paths (refuses a run that cannot fit)."""
     from ..hardware import host_memory_limit
     from ..ssd import free_bytes
-    from ..plan import fmt_bytes, host_bytes, vision_device_bytes
+    from ..host_store import host_bytes, vision_device_bytes
+    from ..units import fmt_bytes
     if placement != "none" and ssd is None:
         raise ValueError(f"preflight: placement {placement!r} needs the SSD profile (choose_tier's)")
     need = host_bytes(model, device.type, placement)
@@ -135,7 +136,8 @@ def plan_check(model, config, device: torch.device, placement: str | None = None
 
 def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | None) -> str:
     from ..host_probe import host_bound
-    from ..plan import fmt_bytes, plan_model
+    from ..plan import plan_model
+    from ..units import fmt_bytes
     from .finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size

@@ -6,7 +6,7 @@ held all at once (a pre-training corpus larger than the host RAM left beside the
       -> mixed (mix_strategy: datasets' concatenate / interleave of iterable data sets)
       -> chunks of preprocessing_batch_size records, each one LLaMA-Factory map batch: stage pt's
          documents concatenated and cut into cutoff_len blocks (or truncated), sft packed by LF's
-         knapsack within the chunk (data._examples_of, the non-streaming code)
+         knapsack within the chunk (data.examples_of, the non-streaming code)
       -> the first val_size examples held out for evaluation (a number, as LF's streaming split)
       -> datasets' shuffle buffer (buffer_size, seed + epoch), unless disable_shuffling
       -> micro-batches of per_device_train_batch_size (an epoch's incomplete last one dropped)
@@ -71,11 +71,11 @@ def _chunk_examples(batch: dict[str, list], config, tokenizer) -> dict[str, list
     batched; rows out need not match rows in)."""
     import datasets
 
-    from .data import _examples_of
+    from .data import examples_of
     from .tokenize_cache import features
     table = datasets.Dataset.from_dict(batch, features=features())
     # one map batch: the whole chunk is packed (or cut into pt blocks) on its own
-    examples, dropped = _examples_of(table, dataclasses.replace(config, preprocessing_num_workers=None), tokenizer)
+    examples, dropped = examples_of(table, dataclasses.replace(config, preprocessing_num_workers=None), tokenizer)
     rows = [examples[i] for i in range(len(examples))]   # (pt: the pad token's labels already -100)
     return {"input_ids": [e.input_ids for e in rows], "labels": [e.labels for e in rows],
             "position_ids": [e.position_ids or [] for e in rows], "images": [e.images or [] for e in rows]}

@@ -76,7 +76,7 @@ def encode_batch(batch: dict[str, list], indices: list[int] | None = None, attr:
     record that gives no example keeps an empty row with its reason in `drop`, so mixing chooses
     the same records as LLaMA-Factory (it mixes before tokenizing) and the reasons can be
     counted: `reason` or `reason|where: why` (a skipped record, named by file and number)."""
-    from .data import PT_COLUMNS, encode_record, pretrain_tokens
+    from .records import PT_COLUMNS, encode_record, pretrain_tokens
     names = list(batch)
     records = [dict(zip(names, values)) for values in zip(*batch.values())]
     out = {"input_ids": [], "labels": [], "images": [], "drop": []}
@@ -203,7 +203,7 @@ def _remember_digests(known: dict) -> None:
 
 
 # build / load -----------------------------------------------------------------------
-def _has_data(path: Path) -> bool:
+def has_data(path: Path) -> bool:
     return path.is_dir() and any(path.iterdir())   # LLaMA-Factory's has_tokenized_data
 
 
@@ -213,7 +213,7 @@ def tokenized(config, tokenizer, template, images=None, say=None):
     say = say or _log.info
     import datasets
     datasets.disable_progress_bars()
-    if config.tokenized_path and _has_data(Path(config.tokenized_path)):
+    if config.tokenized_path and has_data(Path(config.tokenized_path)):
         return _load_tokenized_path(Path(config.tokenized_path), say)
     raws, digests, attrs = {}, {}, {name: _attr(config, name) for name in config.datasets}
     for name, attr in attrs.items():
@@ -285,7 +285,7 @@ def _load(attr: DatasetAttr, config, fresh: bool = False):
 def _say_unmapped(raw, attr: DatasetAttr, say) -> None:
     """Says which of a data set's system/history/tools columns are not read because
     dataset_info.json does not map them (LLaMA-Factory reads them only when mapped too)."""
-    from .data import UNMAPPED_IGNORED
+    from .records import UNMAPPED_IGNORED
     if attr.formatting not in ("alpaca", "sharegpt"):
         return
     unread = [c for c in UNMAPPED_IGNORED if c in raw.column_names and c not in attr.columns]

@@ -274,7 +274,7 @@ def _train(config: TrainConfig, run: RunDir, device: torch.device, stop_at_step:
     if placement != "none":   # (before the optimizer: the masters move into the tier's files now)
         tier = StateTier(list(model.named_parameters()), list(ssd.paths), placement, queue_depth=ssd.queue_depth)
         cleanup.callback(tier.close)
-        from ..plan import fmt_bytes
+        from ..units import fmt_bytes
         say(f"[megatrain] state tier: {placement} of {len(tier)} parameters, {fmt_bytes(tier.nbytes)} x 2 "
             f"slots under {', '.join(str(p) for p in ssd.paths)}"
             + (f" (removed {len(tier.reclaimed)} files a killed run left)" if tier.reclaimed else ""))

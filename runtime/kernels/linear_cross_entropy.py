@@ -93,7 +93,7 @@ def _kernel_config(device: torch.device, n_cols: int) -> tuple[int, int, int]:
     return block_m, block_v, num_warps
 
 
-def _loss_and_grad_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor,
+def loss_and_grad_chunk(logits: torch.Tensor, labels: torch.Tensor, loss_rows: torch.Tensor,
                          scale: torch.Tensor, ignore_index: int) -> None:
     """The Triton `chunk_fn` of chunked_ce.loss_and_grads."""
     n_rows, n_cols = logits.shape
@@ -110,7 +110,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 compute_grads):
         loss, grad_hidden, grad_weight = loss_and_grads(
             hidden, weight, labels, reduction, ignore_index, compute_grads and ctx.needs_input_grad[0],
-            compute_grads and ctx.needs_input_grad[1], _loss_and_grad_chunk, chunk_size, chunk_bytes)
+            compute_grads and ctx.needs_input_grad[1], loss_and_grad_chunk, chunk_size, chunk_bytes)
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss
 

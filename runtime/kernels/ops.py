@@ -68,7 +68,7 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, ignore
     from .chunked_ce import loss_and_grads, torch_chunk
     chunk_fn = torch_chunk
     if triton_runs(hidden):
-        from .linear_cross_entropy import _loss_and_grad_chunk as chunk_fn
+        from .linear_cross_entropy import loss_and_grad_chunk as chunk_fn
     loss, dh, dw = loss_and_grads(hidden, weight, labels, reduction, ignore_index, grad_hidden, grad_weight,
                                   chunk_fn)
     # (one empty tensor each: outputs of a custom op may not alias each other, which a no-grad
