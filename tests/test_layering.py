@@ -155,3 +155,19 @@ def test_the_graph_checks_are_live(tmp_path, monkeypatch):
     (tmp_path / "megacompile" / "train" / "checkpoint.py").write_text("")
     _, private = import_graph()
     assert private == [("megacompile.train.lora", "megacompile.train.checkpoint", "_damaged")]
+
+
+def test_the_tokenized_data_cache_key_covers_the_code_that_makes_the_examples():
+    """tokenize_cache.py keys its cache on the source of the modules that turn records into
+    tokens (`_CODE`): each module it imports in the training package is one of them, and each
+    named file exists (a module moved without its name updated would leave stale examples)."""
+    import networkx as nx
+
+    from megacompile.train import tokenize_cache
+    graph, _ = import_graph()
+    reached = {m for m in nx.descendants(graph, "megacompile.train.tokenize_cache")
+               if m.startswith("megacompile.train.")}
+    named = {f"megacompile.train.{name[:-3]}" for name in tokenize_cache._CODE}
+    assert reached <= named, sorted(reached - named)
+    here = Path(tokenize_cache.__file__).parent
+    assert [name for name in tokenize_cache._CODE if not (here / name).is_file()] == []

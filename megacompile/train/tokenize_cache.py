@@ -58,8 +58,8 @@ TRAINING_ONLY = {
     "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain", "buffer_size",
 }
 # the code that turns records into tokens: a change to it must not read stale examples
-_CODE = ("data.py", "templates.py", "encode.py", "jinja_template.py", "tool_formats.py", "images.py", "registry.py",
-         "sources.py", "tokenize_cache.py", "examples.py")
+_CODE = ("data.py", "records.py", "split.py", "templates.py", "encode.py", "jinja_template.py", "tool_formats.py",
+         "images.py", "registry.py", "sources.py", "tokenize_cache.py", "examples.py")
 
 
 def features():
