@@ -40,7 +40,7 @@ def _by_reason(items) -> dict[str, list[str]]:
 
 
 def lf_keys() -> str:
-    from megacompile.train import lf_keys as lf
+    from megacompile.train.hparams import lf_keys as lf
     lines = ["- **Mapped** into megatrain's keys (a contradiction with the key it maps to is refused):"]
     lines += [f"    - `{key}`: {what}." for key, what in lf.MAPPED.items()]
     lines.append("- **Accepted and ignored**, with one line at the start of the run saying what megatrain does "
@@ -59,7 +59,7 @@ def lf_keys() -> str:
 
 
 def train_keys() -> str:
-    from megacompile.train.keys_help import key_groups
+    from megacompile.train.hparams.keys_help import key_groups
     out = []
     for group, rows in key_groups():
         out += [f"**{group}**", "", "| key | default | meaning |", "|---|---|---|"]

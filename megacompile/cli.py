@@ -230,7 +230,7 @@ def _train(args) -> int:
 def _after_interrupt(out: Path) -> str:
     """What to do after a run was interrupted: continue from its last checkpoint, or (none was
     written) run the same command again, which starts over (run_dir.py)."""
-    from .train import checkpoint
+    from .train.checkpoint import format as checkpoint
     found = checkpoint.checkpoints(out)
     if found:
         return (f"the last complete checkpoint is {found[-1]}: continue from it with resume_from_checkpoint: "

@@ -20,11 +20,13 @@ from types import SimpleNamespace
 
 import torch
 
-from megacompile.train import schedule, trainer
+from megacompile.train import schedule
+
+from megacompile.train import trainer
 from megacompile.train.data import IGNORE, check_datasets, collate
 from megacompile.train.evaluate import Schedule as EvalSchedule, evaluate
-from megacompile.train.finetuning import apply_finetuning
-from megacompile.train.model_source import ModelSource
+from megacompile.train.model.finetuning import apply_finetuning
+from megacompile.train.model.model_source import ModelSource
 
 
 def eager_run(config) -> dict:

@@ -375,9 +375,9 @@ def test_multi_line_error_message_is_one_line(config_json, monkeypatch, capsys):
 
 def test_train_errors_are_not_special_cased(monkeypatch, tmp_path, capsys):
     """train's cannot-fit preflight (a CannotFitError) exits 3, a diverged run (TrainingError) 4."""
-    import megacompile.train.config
+    import megacompile.train.hparams.config
     import megacompile.train.trainer
-    monkeypatch.setattr(megacompile.train.config, "load_config", lambda path, overrides=(): None)
+    monkeypatch.setattr(megacompile.train.hparams.config, "load_config", lambda path, overrides=(): None)
     for exc, code in [(CannotFitError("host RAM: needs 2 TiB"), 3), (TrainingError("diverged"), 4),
                       (ConfigError("bad key"), 2)]:
         def fail(config, progress=True, exc=exc):

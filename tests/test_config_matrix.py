@@ -50,7 +50,7 @@ from safetensors.torch import load_file
 
 from eager_trainer import eager_run
 from megacompile.cli import main
-from megacompile.train.config import load_config
+from megacompile.train.hparams.config import load_config
 from megacompile.train.trainer import LOG_NAME
 from pairwise import pairwise, pairs_of
 

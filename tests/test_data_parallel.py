@@ -22,8 +22,8 @@ import torch
 import yaml
 
 from dist import EXAMPLES, ROOT, run_nodes, run_torchrun, tiny_model_dir
-from megacompile.train import checkpoint
-from megacompile.train.config import from_mapping
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.trainer import LOG_NAME, train
 
 

@@ -131,7 +131,7 @@ def test_a_shared_memory_too_small_is_refused_with_what_to_change(tmp_path, monk
 
 
 def test_resuming_with_another_world_size_keeps_the_global_micro_batch():
-    from megacompile.train.resume import changes
+    from megacompile.train.checkpoint.resume import changes
     saved = {"per_device_train_batch_size": 2, "seed": 0}
     refused, applied = changes(saved, {"per_device_train_batch_size": 4, "seed": 0}, True, saved_world=2, world=1)
     assert not refused and applied == ["ranks: 2 -> 1 (global micro-batch 4 kept)"]

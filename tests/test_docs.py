@@ -58,8 +58,8 @@ def test_the_site_builds_with_no_broken_link(tmp_path):
 def test_each_generated_table_holds_every_row_of_its_source():
     from megacompile import errors
     from megacompile.options import Options
-    from megacompile.train import lf_keys
-    from megacompile.train.config import TrainConfig
+    from megacompile.train.hparams import lf_keys
+    from megacompile.train.hparams.config import TrainConfig
     hooks = _hooks()
     lf = hooks.render((ROOT / "docs" / "llamafactory.md").read_text())
     missing = [k for k in [*lf_keys.NOTED, *lf_keys.REFUSED, *lf_keys.MAPPED] if f"`{k}`" not in lf]
@@ -129,7 +129,7 @@ def test_the_readme_python_example_trains(tmp_path, capsys):
 
 def test_the_readme_config_example_is_a_config_megatrain_train_takes(tmp_path):
     """README's YAML example loads as a config (LLaMA-Factory's keys mapped: bf16 -> torch_dtype)."""
-    from megacompile.train.config import load_config
+    from megacompile.train.hparams.config import load_config
     path = tmp_path / "my_run.yaml"
     path.write_text(_readme_block("yaml"))
     cfg = load_config(path)

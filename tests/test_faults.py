@@ -18,9 +18,10 @@ import torch
 
 from megacompile.cli import main
 from megacompile.errors import CannotFitError, ConfigError, TrainingError
-from megacompile.train import checkpoint
-from megacompile.train.checkpoint import CheckpointError, DiskSpaceError
-from megacompile.train.config import from_mapping, load_config
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train.model import hf_folder
+from megacompile.train.checkpoint.format import CheckpointError, DiskSpaceError
+from megacompile.train.hparams.config import from_mapping, load_config
 from megacompile.train.data import DataError
 from megacompile.train.run_dir import LOCK, RunLock
 from megacompile.train.trainer import LOG_NAME, train
@@ -324,7 +325,7 @@ def test_a_full_disk_says_how_much_room_a_checkpoint_needs(finished, tiny_dir, t
 
     def no_space(*a, **k):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(checkpoint, "save_file", no_space)
+    monkeypatch.setattr(hf_folder, "save_file", no_space)   # (the weights' writer)
     with pytest.raises(DiskSpaceError, match="writing checkpoint-6 .* failed \\(.*No space left"):
         train(config(tiny_dir, tmp_path, max_steps=6, save_steps=1, resume_from_checkpoint=True), progress=False)
     assert not list(out.glob("*.tmp")) and checkpoint.checkpoints(out)[-1].name == "checkpoint-5"

@@ -19,10 +19,11 @@ import megacompile
 from megacompile.cli import main
 from megacompile.errors import ConfigError
 from megacompile.plan import host_bytes
-from megacompile.train import checkpoint, resume
-from megacompile.train.config import from_mapping
-from megacompile.train.finetuning import apply_finetuning
-from megacompile.train.freeze import freeze, select
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train.checkpoint import resume
+from megacompile.train.hparams.config import from_mapping
+from megacompile.train.model.finetuning import apply_finetuning
+from megacompile.train.model.freeze import freeze, select
 from megacompile.train.trainer import train
 from megacompile.runtime.adamw import HostAdamW
 from megacompile.runtime.store import entry_of
@@ -218,7 +219,7 @@ def test_train_freeze_resumes_bit_for_bit_and_exports(tiny_dir, tmp_path, capsys
 
 
 def test_bad_module_name_fails_before_the_weights_load(tiny_dir, tmp_path, monkeypatch, capsys):
-    from megacompile.train.model_source import ModelSource
+    from megacompile.train.model.model_source import ModelSource
 
     def never(self):
         raise AssertionError("the weights were loaded")

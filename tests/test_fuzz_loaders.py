@@ -14,7 +14,7 @@ from hypothesis import example, given, HealthCheck, settings, strategies as st
 
 from megacompile.cli import main
 from megacompile.errors import MegatrainError
-from megacompile.train.config import TrainConfig, from_mapping, load_config
+from megacompile.train.hparams.config import TrainConfig, from_mapping, load_config
 from megacompile.train.data import build_examples
 
 EXAMPLES = int(os.environ.get("MEGATRAIN_HYPOTHESIS_EXAMPLES", "12"))

@@ -460,7 +460,7 @@ def test_validate_checks_options_built_directly():
 
 
 def test_a_training_config_gets_the_same_checks():
-    from megacompile.train.config import from_mapping
+    from megacompile.train.hparams.config import from_mapping
     ok = dict(model_name_or_path="m", dataset="d", output_dir="o")
     with pytest.raises(ConfigError, match=r"option routed_experts='no' \(str\): expected True or False"):
         from_mapping({**ok, "routed_experts": "no"})

@@ -12,7 +12,7 @@ import pytest
 import megacompile.train.trainer as trainer
 from megacompile import interrupts
 from megacompile.cli import main
-from megacompile.train import checkpoint
+from megacompile.train.checkpoint import format as checkpoint
 from test_faults import yaml_config
 from test_train import tiny_dir  # noqa: F401 (a fixture)
 

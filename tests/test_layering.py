@@ -145,8 +145,8 @@ def test_the_graph_checks_are_live(tmp_path, monkeypatch):
     """A cycle and a private import written into a copy of two modules are found."""
     import networkx as nx
     graph, _ = import_graph()
-    assert graph.has_edge("megacompile.train.checkpoint", "megacompile.train.checkpoint_files")
-    graph.add_edge("megacompile.train.checkpoint_files", "megacompile.train.checkpoint")
+    assert graph.has_edge("megacompile.train.checkpoint.format", "megacompile.train.checkpoint.files")
+    graph.add_edge("megacompile.train.checkpoint.files", "megacompile.train.checkpoint.format")
     assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
     fake = tmp_path / "megacompile" / "train" / "lora.py"
     fake.parent.mkdir(parents=True)
@@ -163,11 +163,45 @@ def test_the_tokenized_data_cache_key_covers_the_code_that_makes_the_examples():
     named file exists (a module moved without its name updated would leave stale examples)."""
     import networkx as nx
 
-    from megacompile.train import tokenize_cache
+    from megacompile.train.data import tokenize_cache
     graph, _ = import_graph()
-    reached = {m for m in nx.descendants(graph, "megacompile.train.tokenize_cache")
+    reached = {m for m in nx.descendants(graph, "megacompile.train.data.tokenize_cache")
                if m.startswith("megacompile.train.")}
-    named = {f"megacompile.train.{name[:-3]}" for name in tokenize_cache._CODE}
+    named = {f"megacompile.train.data.{name[:-3].replace('/__init__', '').replace('/', '.')}"
+             for name in tokenize_cache._CODE}
     assert reached <= named, sorted(reached - named)
     here = Path(tokenize_cache.__file__).parent
     assert [name for name in tokenize_cache._CODE if not (here / name).is_file()] == []
+
+
+#: the training package's layers, in the order imports may run (a layer imports only itself and those before)
+TRAIN_LAYERS = ("hparams", "data", "model", "checkpoint")
+
+
+def _train_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["megacompile", "train"] or len(parts) < 3:
+        return None
+    return TRAIN_LAYERS.index(parts[2]) if parts[2] in TRAIN_LAYERS else len(TRAIN_LAYERS)   # (the loop)
+
+
+def test_the_training_package_imports_run_one_way():
+    """hparams -> data -> model -> checkpoint -> the loop (trainer.py and its parts): a stage
+    workflow or the loop may read any layer; the config never reads the data, the data never the
+    model, the model never the checkpoints."""
+    graph, _ = import_graph()
+    back = [(a, b) for a, b in graph.edges
+            if _train_layer(a) is not None and _train_layer(b) is not None and _train_layer(a) < _train_layer(b)]
+    assert not back, sorted(back)
+    assert _train_layer("megacompile.train.hparams.config") == 0 and _train_layer("megacompile.train.trainer") == 4
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml lists every package of the tree (a subpackage left out would be missing
+    from a wheel, while the editable install used here still finds it)."""
+    import pytest
+    tomllib = pytest.importorskip("tomllib")   # (Python 3.11+)
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {_module_of(p) for folder in ("megacompile", "passes", "runtime") for p in _files(folder)
+             if p.name == "__init__.py"}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

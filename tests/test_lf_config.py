@@ -20,8 +20,10 @@ from test_train import EXAMPLES, config, log_rows, tiny_dir  # noqa: F401 (tiny_
 
 from megacompile.cli import main
 from megacompile.errors import ConfigError
-from megacompile.train import lf_keys, report, schedule
-from megacompile.train.config import _FIELDS, _OPTION_FIELDS, TrainConfig, from_mapping, load_config
+from megacompile.train.hparams import lf_keys
+from megacompile.train import report
+from megacompile.train import schedule
+from megacompile.train.hparams.config import _FIELDS, _OPTION_FIELDS, TrainConfig, from_mapping, load_config
 from megacompile.train.data import DataError, Order
 
 OK = dict(model_name_or_path="m", dataset="d", output_dir="o")

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.data import (CHATML, IGNORE, alpaca_messages, build_examples, check_conversation, encode_chat,
                                     record_tools, sharegpt_messages)
-from megacompile.train.encode import encode_example, infer_seqlen, make_encoder
-from megacompile.train.registry import DataError
-from megacompile.train.templates import TEMPLATES
+from megacompile.train.data.encode import encode_example, infer_seqlen, make_encoder
+from megacompile.train.data.registry import DataError
+from megacompile.train.data.templates import TEMPLATES
 
 REF = Path(__file__).parent / "data" / "lf_reference"
 RECORDS = json.loads((REF / "records.json").read_text())

@@ -2,7 +2,7 @@
 through `megatrain train`: each trains 2 steps of the embedded SmolLM2 (2 layers) on the CPU,
 changing only model_name_or_path, output_dir, max_steps, device and num_layers, or is refused
 before any step with one `megatrain: error:` line that says why (the key table in
-megacompile/train/lf_keys.py, or what the example needs that this run does not have).
+megacompile/train/hparams/lf_keys.py, or what the example needs that this run does not have).
 
 The data folder is LLaMA-Factory's layout (dataset_dir "data", its dataset_info.json with all
 104 entries) with small stand-ins for the files the examples name: identity.json (LF's first two

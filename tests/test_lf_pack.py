@@ -12,9 +12,9 @@ import pytest
 from test_lf_data import RECORDS, needs_smollm2, smollm2_tokenizer  # noqa: F401 (a fixture)
 from test_lf_pt import REF as PT_TEXTS
 
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.data import IGNORE, build_examples
-from megacompile.train.packing import knapsacks, map_batches
+from megacompile.train.data.packing import knapsacks, map_batches
 
 REF = json.loads((Path(__file__).parent / "data" / "lf_reference" / "pack_reference.json").read_text())
 

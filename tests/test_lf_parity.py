@@ -87,7 +87,7 @@ def test_val_size_with_pt_and_packing_makes_each_side_on_its_own(tmp_path, tok):
 def test_interleave_once_reads_every_record_exactly_once(tmp_path):
     import numpy as np
 
-    from megacompile.train.sources import load_source, mix, select_records
+    from megacompile.train.data.sources import load_source, mix, select_records
     d = _sets(tmp_path, {"a": 7, "b": 3, "c": 12})
     (d / "dataset_info.json").write_text(json.dumps({n: {"file_name": f"{n}.json"} for n in "abc"}))
     for probs in (None, [0.2, 0.5, 0.3]):
@@ -106,7 +106,7 @@ def test_interleave_once_reads_every_record_exactly_once(tmp_path):
 def test_preserve_thinking_keeps_the_history_thoughts_with_mask_history():
     """The reference holds LF's encodings with and without preserve_thinking (test_lf_data.py
     compares ours with each): the earlier reply's thought is kept only with it."""
-    from megacompile.train import lf_keys
+    from megacompile.train.hparams import lf_keys
     cases = json.loads((REF / "reference.json").read_text())
     records = json.loads((REF / "records.json").read_text())["sharegpt_multiturn"]["records"]
     assert "<think>" in records[2]["conversations"][1]["value"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_lf_data import needs_smollm2, smollm2_tokenizer  # noqa: F401 (a fixture)
 
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.data import IGNORE, DataError, build_examples, data_cutoff_len, packs
 
 REF = json.loads((Path(__file__).parent / "data" / "lf_reference" / "pt_reference.json").read_text())

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from megacompile.train import tokenize_cache
-from megacompile.train.config import from_mapping
+from megacompile.train.data import tokenize_cache
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.data import (CHATML, DataError, Example, build_examples, check_datasets, encode_record,
                                     fingerprint, load_registry)
-from megacompile.train.examples import Examples
-from megacompile.train.sources import load_source, mix, select_records
+from megacompile.train.data.examples import Examples
+from megacompile.train.data.sources import load_source, mix, select_records
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"
 REFERENCE = Path(__file__).resolve().parent / "data" / "lf_reference"

@@ -7,7 +7,7 @@ import json
 
 from test_train import config, tiny_dir  # noqa: F401 (a fixture)
 
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.trainer import train
 
 

@@ -1,4 +1,4 @@
-"""`finetuning_type: lora` (megacompile/train/lora.py): peft's LoRA compiled by the megatrain
+"""`finetuning_type: lora` (megacompile/train/model/lora.py): peft's LoRA compiled by the megatrain
 backend matches eager PEFT, streams the frozen base without masters, moments or gradients, and the
 trainer checkpoints, resumes and exports the adapter as LLaMA-Factory does."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ import megacompile  # noqa: E402
 from conftest import Fp32MasterReference, batch, run_steps, tiny_model  # noqa: E402
 from megacompile.errors import ConfigError  # noqa: E402
 from megacompile.runtime.adamw import HostAdamW  # noqa: E402
-from megacompile.train import checkpoint, lora  # noqa: E402
+from megacompile.train.checkpoint import format as checkpoint  # noqa: E402
+from megacompile.train.model import lora
 from test_train import config, log_rows, tiny_dir  # noqa: E402,F401 (the tiny model folder fixture)
 
 SHAPES = [(2, 8, 0), (2, 8, 2), (3, 11, 3), (2, 9, 1)]   # (batch, seq, left padding)
@@ -297,7 +298,7 @@ def test_preflight_and_plan_count_only_the_adapters(tiny_dir, tmp_path):
     """On the meta model, as the trainer runs them before any weight loads: the host RAM for
     moments and gradients is the adapters', and the device plan works with peft."""
     from megacompile.plan import host_bytes
-    from megacompile.train.model_source import ModelSource
+    from megacompile.train.model.model_source import ModelSource
     from megacompile.train.preflight import plan_check
     cfg = lora_run(tiny_dir, tmp_path, lora_target="all")
     full = ModelSource(config(tiny_dir, tmp_path), torch.device("cpu")).meta_model()

@@ -19,7 +19,7 @@ from megacompile.ssd import SSD, load_ssd
 from megacompile.inspect import build_meta_model
 from megacompile.plan import host_bytes, plan_model, tier_placement
 from megacompile.tier_plan import TIER_POOL_BYTES, min_numel, ssd_seconds
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.preflight import PreflightError, choose_tier, preflight
 
 GiB = 2**30

@@ -1,4 +1,4 @@
-"""`streaming: true` (megacompile/train/stream.py): the streamed examples are the tokenized path's
+"""`streaming: true` (megacompile/train/data/stream.py): the streamed examples are the tokenized path's
 examples (same chunks as LLaMA-Factory's map batches), a checkpoint's stream position resumes
 exactly (across epochs and through the shuffle buffer), and a streamed `megatrain train` run that
 stops and resumes logs the uninterrupted run's losses. Tiny Llama from test_train's fixture."""
@@ -11,7 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from megacompile.errors import ConfigError
-from megacompile.train import stream, trainer
+from megacompile.train.data import stream
+from megacompile.train import trainer
 from megacompile.train.data import build_examples, data_template
 from test_train import config, log_rows, tiny_dir  # noqa: F401 (tiny_dir: a fixture)
 

@@ -1,4 +1,4 @@
-"""Checkpoints of a run with the state tier (megacompile/train/checkpoint_tier.py): the same model
+"""Checkpoints of a run with the state tier (megacompile/train/checkpoint/tier.py): the same model
 files as without the tier, the tiered moments in their own shards, written and read one shard
 (or tensor) at a time; a checkpoint taken with the tier resumes with it off and on, and one taken
 without it resumes with it on, masters and moments equal bit for bit to the saved ones and the
@@ -19,8 +19,10 @@ from megacompile.errors import TrainingError
 from megacompile.runtime.adamw import HostAdamW
 from megacompile.runtime.state_tier import StateTier
 from megacompile.runtime.store import master_weight
-from megacompile.train import checkpoint, checkpoint_tier
-from megacompile.train.checkpoint import CheckpointError
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train.model import hf_folder
+from megacompile.train.checkpoint import tier as checkpoint_tier
+from megacompile.train.checkpoint.format import CheckpointError
 
 TRAINER = {"scheduler": {}, "data": {}, "state": {}}
 SMALL_SHARD = "12KB"   # a few tensors per shard: several model and moment shards for the tiny model
@@ -278,7 +280,7 @@ def test_the_model_files_match_a_tier_off_save_for_any_dtype_and_frozen_weights(
     """The shard plan from names, shapes and dtypes equals the one from the tensors: fp32 weights
     (their own masters, in RAM), low-precision ones (fp32 masters in the tier), frozen ones
     (saved in their dtype), buffers; small shards so that the plan matters."""
-    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", SMALL_SHARD)
+    monkeypatch.setattr(hf_folder, "MAX_SHARD_SIZE", SMALL_SHARD)
     monkeypatch.setattr(checkpoint_tier, "MAX_SHARD_SIZE", SMALL_SHARD)
     model = tiny_model("llama", layers=2, dtype=dtype)
     for p in model.model.layers[0].parameters():

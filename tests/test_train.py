@@ -13,8 +13,8 @@ import torch
 
 from megacompile.cli import main
 from megacompile.errors import ConfigError
-from megacompile.train import checkpoint
-from megacompile.train.config import from_mapping, load_config
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train.hparams.config import from_mapping, load_config
 from megacompile.train.data import (CHATML, IGNORE, DataError, build_examples, encode_chat, load_registry,
                                     show_example)
 from megacompile.train.trainer import LOG_NAME, train
@@ -207,17 +207,17 @@ def test_resume_continues_like_the_uninterrupted_run(tiny_dir, tmp_path):
 
 KILLED_CHILD = """
 import json, pathlib, sys, time
-from megacompile.train import checkpoint
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
+from megacompile.train.model import hf_folder   # (the weights' writer)
 from megacompile.train.trainer import train
-real, calls = checkpoint.save_file, []
+real, calls = hf_folder.save_file, []
 def slow_second_save(tensors, path):
     calls.append(path)
     real(tensors, path)
     if len(calls) == 2:   # the second checkpoint is half written: tell the parent, wait to be killed
         pathlib.Path(sys.argv[2]).write_text(path)
         time.sleep(600)
-checkpoint.save_file = slow_second_save
+hf_folder.save_file = slow_second_save
 train(from_mapping(json.loads(sys.argv[1])), progress=False)
 """
 

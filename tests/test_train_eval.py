@@ -11,7 +11,9 @@ import torch
 
 import megacompile
 from megacompile.errors import ConfigError
-from megacompile.train import checkpoint, trainer
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train.model import hf_folder
+from megacompile.train import trainer
 from megacompile.train.data import IGNORE, Example, build_examples, collate
 from megacompile.train.evaluate import Schedule, check_config, evaluate, holdout_indices
 from megacompile.train.flops import FlopCounter
@@ -241,7 +243,7 @@ def test_checkpoint_loads_with_from_pretrained(eval_runs, tiny_dir):  # noqa: F8
 
 def test_sharded_checkpoint_loads_resumes_and_is_checked(tiny_dir, tmp_path, monkeypatch):  # noqa: F811
     from transformers import AutoModelForCausalLM
-    monkeypatch.setattr(checkpoint, "MAX_SHARD_SIZE", 20_000)   # the tiny model in several shards
+    monkeypatch.setattr(hf_folder, "MAX_SHARD_SIZE", 20_000)   # the tiny model in several shards
     full = config(tiny_dir, tmp_path / "full", max_steps=2, save_steps=1)
     trainer.train(full, progress=False)
     part = config(tiny_dir, tmp_path / "part", max_steps=2, save_steps=1)

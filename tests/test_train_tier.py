@@ -12,7 +12,8 @@ import torch
 
 from megacompile.errors import TrainingError
 from megacompile.runtime import state_tier
-from megacompile.train import checkpoint, trainer
+from megacompile.train.checkpoint import format as checkpoint
+from megacompile.train import trainer
 from megacompile.train.trainer import train
 from test_train import config, log_rows, tiny_dir  # noqa: F401 (a fixture)
 

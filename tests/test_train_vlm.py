@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from megacompile.cli import main
-from megacompile.train.config import from_mapping
+from megacompile.train.hparams.config import from_mapping
 from megacompile.train.data import CHATML, IGNORE, build_examples, collate
-from megacompile.train.images import ImageError, image_inputs
+from megacompile.train.data.images import ImageError, image_inputs
 from megacompile.train.trainer import LOG_NAME, load_model, train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "data"

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CannotFitError, ConfigError
-from .split import holdout_indices  # noqa: F401 (API: megacompile.train.evaluate.holdout_indices)
-from .data import IGNORE, DataError, build_examples, collate, lengths_vary, mark_lengths_dynamic
+from .data.split import holdout_indices  # noqa: F401 (API: megacompile.train.evaluate.holdout_indices)
+from .data.loader import IGNORE, DataError, build_examples, collate, lengths_vary, mark_lengths_dynamic
 
 STRATEGIES = ("no", "steps", "epoch")
 

@@ -33,7 +33,7 @@ def choose_tier(model, device: torch.device, config) -> tuple[str, SSD | None]:
     from ..hardware import host_memory_limit
     from ..ssd import load_ssd
     from ..host_store import tier_placement
-    from .tier_keys import tier_dirs
+    from .hparams.tier_keys import tier_dirs
     ssd = load_ssd(config.nvme)
     ssd = dataclasses.replace(ssd, paths=tier_dirs(config, ssd.paths))
     return tier_placement(model, device.type, host_memory_limit()[0], ssd, config.nvme_placement), ssd
@@ -138,7 +138,7 @@ def _plan_check(model, config, device: torch.device, placement: str, ssd: SSD | 
     from ..host_probe import host_bound
     from ..plan import plan_model
     from ..units import fmt_bytes
-    from .finetuning import apply_finetuning
+    from .model.finetuning import apply_finetuning
     dtype = next(model.parameters()).dtype
     batch = config.per_device_train_batch_size
     options = {k: v for k, v in config.megatrain.items()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..distributed import Topology
 from ..errors import ConfigError
-from .config import TrainConfig
+from .hparams.config import TrainConfig
 
 
 class Follower:

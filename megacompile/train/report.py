@@ -16,10 +16,9 @@ import os
 from pathlib import Path
 
 from ..errors import ConfigError
+from .hparams.config import REPORTS, TRACKERS  # noqa: F401 (API: report.REPORTS)
 
 #: report_to values: trackers megatrain can write to ("jsonl" adds nothing: the log is always written)
-TRACKERS = ("tensorboard", "wandb")
-REPORTS = ("none", "jsonl", "all") + TRACKERS
 
 
 def trackers(report_to: str | list[str]) -> list[str]:

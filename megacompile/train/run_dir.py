@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError
-from . import checkpoint
+from .checkpoint import format as checkpoint
 
 LOCK = ".megatrain.lock"
 LOG_NAME = "train_log.jsonl"
@@ -344,8 +344,8 @@ class RunDir:
             found.append(("resume_from_checkpoint", Path(str(cfg.resume_from_checkpoint)).expanduser().resolve()))
         try:   # (a data file registered outside dataset_dir)
             from ..errors import MegatrainError
-            from .registry import load_registry
-            from .sources import data_path
+            from .data.registry import load_registry
+            from .data.sources import data_path
             for name, attr in load_registry(cfg.dataset_dir, cfg.datasets).items():
                 if attr.load_from == "file":
                     found.append((f"the data set {name!r}",

@@ -44,7 +44,7 @@ def changes(saved: dict[str, Any], now: dict[str, Any], has_fingerprint: bool, s
     resumes in 1 process x 4 and the other way round."""
     import dataclasses
 
-    from .config import TrainConfig
+    from ..hparams.config import TrainConfig
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     key = "per_device_train_batch_size"
     refused = _diff(saved, now, REFUSED) + ([] if has_fingerprint else _diff(saved, now, DATA))

@@ -31,9 +31,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..errors import TrainingError
-from ..runtime.store import master_entry, master_weight
-from .checkpoint_files import MAX_SHARD_SIZE, WEIGHTS_INDEX, CheckpointError, damaged, elsewhere, finite
+from ...errors import TrainingError
+from ...runtime.store import master_entry, master_weight
+from .files import MAX_SHARD_SIZE, WEIGHTS_INDEX, CheckpointError, damaged, elsewhere, finite
 
 MOMENTS = "optimizer-moments"           # the moment shards' name; optimizer.pt's "moments" says it
 MOMENT_NAMES = ("exp_avg", "exp_avg_sq")

@@ -17,7 +17,7 @@ import inspect
 import re
 import textwrap
 
-from ..options import Options
+from ...options import Options
 from .config import GROUPS, TrainConfig
 
 

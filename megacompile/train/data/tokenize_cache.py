@@ -1,7 +1,7 @@
 """Tokenization through `datasets.map`, cached on disk, read back as compact `Examples`.
 
     table, records = tokenized(config, tokenizer, template, images)   # records: {data set: records}
-    examples, dropped = to_examples(table, config.stage, cutoff_len, packs, bos_id, pad_id)
+    examples, dropped = examples_of(table, config, tokenizer)   # (loader.py: the stage's processor)
 
 Each selected data set is loaded (sources.py), sampled (`num_samples`, `max_samples`),
 tokenized by `datasets.map` over `preprocessing_num_workers` processes (the per-record function
@@ -33,11 +33,10 @@ import hashlib
 import json
 import os
 import shutil
-from collections import Counter
 from pathlib import Path
 
-from ..disk_cache import cache_root
-from ..log import get as _get_logger
+from ...disk_cache import cache_root
+from ...log import get as _get_logger
 from .registry import DataError, DatasetAttr
 
 _log = _get_logger("train")
@@ -58,8 +57,9 @@ TRAINING_ONLY = {
     "save_total_limit", "resume_from_checkpoint", "overwrite_output_dir", "report_to", "megatrain", "buffer_size",
 }
 # the code that turns records into tokens: a change to it must not read stale examples
-_CODE = ("data.py", "records.py", "split.py", "templates.py", "encode.py", "jinja_template.py", "tool_formats.py",
-         "images.py", "registry.py", "sources.py", "tokenize_cache.py", "examples.py")
+_CODE = ("loader.py", "packing.py", "processor/__init__.py", "processor/base.py", "processor/supervised.py",
+         "processor/pretrain.py", "records.py", "split.py", "templates.py", "encode.py", "jinja_template.py",
+         "tool_formats.py", "images.py", "registry.py", "sources.py", "tokenize_cache.py", "examples.py")
 
 
 def features():
@@ -72,35 +72,13 @@ def features():
 # the per-record function ------------------------------------------------------------
 def encode_batch(batch: dict[str, list], indices: list[int] | None = None, attr: DatasetAttr = None, config=None,
                  tokenizer=None, template=None, images=None) -> dict:
-    """Token and label lists of a batch of records (datasets.map, batched, with_indices). A
-    record that gives no example keeps an empty row with its reason in `drop`, so mixing chooses
-    the same records as LLaMA-Factory (it mixes before tokenizing) and the reasons can be
-    counted: `reason` or `reason|where: why` (a skipped record, named by file and number)."""
-    from .records import PT_COLUMNS, encode_record, pretrain_tokens
-    names = list(batch)
-    records = [dict(zip(names, values)) for values in zip(*batch.values())]
-    out = {"input_ids": [], "labels": [], "images": [], "drop": []}
-    if config.stage == "pt":
-        column = {**PT_COLUMNS, **attr.columns}["prompt"]
-        if column not in batch:
-            raise DataError(f"data set {attr.name!r} (pt): records have no {column!r} column (has {names}); set "
-                            "columns.prompt.")
-        for record in records:
-            ids = pretrain_tokens(tokenizer, record[column], template)   # (template: the separator text)
-            out["input_ids"].append(ids), out["labels"].append(ids), out["images"].append([]), out["drop"].append("")
-        return out
-    where = attr.file_name or attr.hf_hub_url or attr.name
-    for k, record in enumerate(records):
-        ex, reason = encode_record(record, attr, config, tokenizer, template, images)
-        if reason and "|" in reason:   # (record numbers count from 1, as an editor's lines do)
-            kind, why = reason.split("|", 1)
-            number = f"record {indices[k] + 1}" if indices is not None else "a record"
-            reason = f"{kind}|{where} {number}{' (of the sampled ones)' if attr.num_samples else ''}: {why}"
-        out["input_ids"].append(ex.input_ids if ex else [])
-        out["labels"].append(ex.labels if ex else [])
-        out["images"].append(list(ex.images or []) if ex else [])
-        out["drop"].append(reason or "")
-    return out
+    """Token and label lists of a batch of records (datasets.map, batched, with_indices), by the
+    stage's processor (processor/). A record that gives no example keeps an empty row with its
+    reason in `drop`, so mixing chooses the same records as LLaMA-Factory (it mixes before
+    tokenizing) and the reasons can be counted: `reason` or `reason|where: why` (a skipped
+    record, named by file and number)."""
+    from .processor import processor_for
+    return processor_for(config.stage).encode(batch, indices, attr, config, tokenizer, template, images)
 
 
 # the cache key ----------------------------------------------------------------------
@@ -400,64 +378,3 @@ def skipped(table, limit: int = 3) -> list[str]:
                 if len(found) == limit:
                     break
     return found
-
-
-def to_examples(table, stage: str, cutoff_len: int, packing: bool = True, bos_id: int | None = None,
-                pad_id: int | None = None, batches: list[tuple[int, int]] | None = None):
-    """The Examples of a tokenized table and the counts of dropped records by reason. An sft
-    store's `rows` are the table rows its examples come from.
-
-    `stage: pt` as LLaMA-Factory's pretrain processor: with `packing` the documents of each of
-    `batches` (row ranges: LF's map batches, packing.map_batches; None: all rows) are
-    concatenated (in the mixed order) and cut into cutoff_len blocks, each batch's remainder dropped, and
-    with `bos_id` (a tokenizer with add_bos_token) each block's first token becomes BOS; without
-    it each document is one example, BOS first (with `bos_id`) and truncated to cutoff_len.
-    Tokens equal to `pad_id` get no label (LF's DataCollatorForLanguageModeling)."""
-    import numpy as np
-    import pyarrow as pa
-
-    from .examples import Examples
-
-    def flat(column: str):
-        col = table.data.column(column)
-        arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-        if isinstance(arr, pa.ChunkedArray):   # no chunks at all
-            arr = pa.array([], type=col.type)
-        values = arr.values.to_numpy(zero_copy_only=False).astype(np.int32, copy=False)
-        return values, arr.offsets.to_numpy().astype(np.int64)
-    table = table.flatten_indices() if table._indices is not None else table
-    ids, offsets = flat("input_ids")
-    drops = table.data.column("drop").to_pylist() if "drop" in table.column_names else [""] * len(table)
-    dropped = Counter(d.split("|", 1)[0] for d in drops if d)
-    if stage == "pt" and packing:
-        pieces = []
-        for first, last in batches if batches is not None else [(0, len(offsets) - 1)]:
-            s, e = offsets[first], offsets[last]
-            pieces.append(ids[s: s + (e - s) // cutoff_len * cutoff_len])   # the batch's remainder is not kept
-        stream = np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)   # (a copy)
-        starts = np.arange(len(stream) // cutoff_len, dtype=np.int64) * cutoff_len
-        if bos_id is not None:
-            stream[starts] = bos_id
-        return Examples(stream, stream, starts, starts + cutoff_len, unlabelled=pad_id), dropped
-    if stage == "pt":
-        lengths = np.diff(offsets)
-        if bos_id is not None:   # BOS before each document, then the truncation
-            stream = np.insert(ids, offsets[:-1], bos_id).astype(np.int32)
-            offsets = offsets + np.arange(len(offsets))
-            lengths = lengths + 1
-        else:
-            stream = ids
-        keep = np.flatnonzero(lengths > 0)
-        starts = offsets[:-1][keep]
-        return Examples(stream, stream, starts, starts + np.minimum(lengths[keep], cutoff_len),
-                        unlabelled=pad_id), dropped
-    labels, _ = flat("labels")
-    keep = np.array([not d for d in drops], dtype=bool)
-    idx = np.flatnonzero(keep)
-    images = None
-    if "images" in table.column_names:
-        paths = table.data.column("images").to_pylist()
-        images = [paths[k] or None for k in idx] if any(paths) else None
-    examples = Examples(ids, labels, offsets[:-1][idx], offsets[1:][idx], None, images)
-    examples.rows = idx
-    return examples, dropped

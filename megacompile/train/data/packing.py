@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
+from .examples import IGNORE, Example, Examples
+
 
 def map_batches(n: int, workers: int | None, batch_size: int) -> list[tuple[int, int]]:
     """The row ranges datasets.map gives its function for `n` rows: one contiguous shard per
@@ -49,3 +53,30 @@ def knapsacks(lengths: list[int], capacity: int) -> list[list[int]]:
             pack.append(pending.pop(k))
         packs.append(pack)
     return packs
+
+
+def pack(examples: list[Example] | Examples, cutoff_len: int, batches: list[list[int]] | None = None) -> Examples:
+    """Samples packed into sequences of at most `cutoff_len` tokens as LLaMA-Factory packs them:
+    its greedy knapsack (packing.knapsacks) within each of `batches` (lists of example indices: the
+    map batches LF packs separately; None: one batch of all), the packs in LF's order.
+
+    Samples do not see each other: positions restart at every sample, which makes transformers
+    build a block-diagonal causal mask (no 2-D attention mask is passed; LF's neat_packing), and
+    the first token of each sample is not a target (it would be predicted from the previous
+    sample's last token; LF leaves that label as the data has it, which is a prompt token's IGNORE
+    unless train_on_prompt). Works on the int32 store: no example is materialised as Python lists.
+    """
+    store = examples if isinstance(examples, Examples) else Examples.from_list(examples)
+    lengths = store.lengths().tolist()
+    bins = [[batch[k] for k in group]
+            for batch in (batches if batches is not None else [list(range(len(store)))])
+            for group in knapsacks([lengths[i] for i in batch], cutoff_len)]
+    members = np.array([i for b in bins for i in b], dtype=np.int64)
+    sizes = store.lengths()[members]
+    firsts = np.cumsum(sizes) - sizes                     # where each sample starts in the packed stream
+    ids = np.concatenate([store.ids[store.starts[i]:store.ends[i]] for i in members])
+    labels = np.concatenate([store.labels[store.starts[i]:store.ends[i]] for i in members])
+    labels[firsts] = IGNORE
+    positions = (np.arange(len(ids)) - np.repeat(firsts, sizes)).astype(np.int32)
+    bin_ends = np.cumsum([sum(lengths[i] for i in b) for b in bins], dtype=np.int64)
+    return Examples(ids, labels, np.concatenate(([0], bin_ends[:-1])), bin_ends, positions)

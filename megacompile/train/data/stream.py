@@ -71,7 +71,7 @@ def _chunk_examples(batch: dict[str, list], config, tokenizer) -> dict[str, list
     batched; rows out need not match rows in)."""
     import datasets
 
-    from .data import examples_of
+    from .loader import examples_of
     from .tokenize_cache import features
     table = datasets.Dataset.from_dict(batch, features=features())
     # one map batch: the whole chunk is packed (or cut into pt blocks) on its own

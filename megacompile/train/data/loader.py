@@ -38,12 +38,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..log import get as _get_logger
+from ...log import get as _get_logger
 # the registry, the loading and the example store live in their own files; their names stay here
 from .examples import IGNORE, Example, Examples
+from .packing import pack  # noqa: F401 (API: megacompile.train.data.pack)
 from .registry import ATTR_KEYS, DataError, DatasetAttr, load_registry  # noqa: F401
 from .sources import FILE_TYPES, data_path, hub_reachable  # noqa: F401
-from .records import (  # noqa: F401 (API: megacompile.train.data's names)
+from .records import (  # noqa: F401 (API: megacompile.train.data.loader's names)
     alpaca_messages, sharegpt_messages, check_conversation, record_tools, chat_template, encode_chat,
     pretrain_tokens, pt_separator, packs, data_cutoff_len, encode_record, ALPACA_COLUMNS, SHAREGPT_COLUMNS,
     UNMAPPED_IGNORED, SHAREGPT_TAGS, PT_COLUMNS, CHATML)
@@ -87,8 +88,8 @@ def skip_summary(counts: dict) -> str:
 def data_template(config, tokenizer):
     """What encodes the records: sft's chat template; stage pt's text between documents (the
     tokenize cache's key and a stream's fingerprint hold it)."""
-    return (chat_template(tokenizer, config.template, config) if config.stage == "sft"
-            else pt_separator(tokenizer, config.template))
+    from .processor import processor_for
+    return processor_for(config.stage).template(config, tokenizer)
 
 
 def build_examples(config, tokenizer, images=None, say=None) -> tuple[Examples, dict[str, int]]:
@@ -145,26 +146,13 @@ def build_examples(config, tokenizer, images=None, say=None) -> tuple[Examples, 
 
 
 def examples_of(table, config, tokenizer):
-    """(Examples, dropped counts) of a tokenized table: to_examples, then sft packing."""
-    from collections import Counter
-
+    """(Examples, dropped counts) of a tokenized table, by the stage's processor: sft rows as they
+    are or packed, pt text in blocks. Packing and pt blocks work within the row ranges
+    LLaMA-Factory's datasets.map batches (packing.map_batches)."""
     from .packing import map_batches
-    from .tokenize_cache import to_examples
-    bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None   # (LF reads the same)
-    # the row ranges LF's datasets.map packs separately (packing.py)
+    from .processor import processor_for
     batches = map_batches(len(table), config.preprocessing_num_workers, config.preprocessing_batch_size)
-    examples, dropped = to_examples(table, config.stage, data_cutoff_len(config), packs(config), bos,
-                                    tokenizer.pad_token_id, batches)
-    if packs(config) and config.stage == "sft" and examples:   # (pt text is already concatenated into blocks)
-        if examples.images:
-            raise DataError("packing: true with image data: packed samples would share image positions. "
-                            "Set packing: false.")
-        n = len(examples)
-        batch_of = np.searchsorted([end for _, end in batches], examples.rows, side="right")
-        groups = [np.flatnonzero(batch_of == b).tolist() for b in range(len(batches))]
-        examples = pack(examples, data_cutoff_len(config), [g for g in groups if g])
-        examples.packed_from = n
-    return examples, Counter(dropped)
+    return processor_for(config.stage).examples(table, config, tokenizer, batches)
 
 
 def fingerprint(examples: list[Example]) -> str:
@@ -175,34 +163,6 @@ def fingerprint(examples: list[Example]) -> str:
     for ex in examples:
         h.update(json.dumps([ex.input_ids, ex.labels, ex.position_ids, ex.images], separators=(",", ":")).encode())
     return h.hexdigest()[:32]
-
-
-def pack(examples: list[Example] | Examples, cutoff_len: int, batches: list[list[int]] | None = None) -> Examples:
-    """Samples packed into sequences of at most `cutoff_len` tokens as LLaMA-Factory packs them:
-    its greedy knapsack (packing.knapsacks) within each of `batches` (lists of example indices: the
-    map batches LF packs separately; None: one batch of all), the packs in LF's order.
-
-    Samples do not see each other: positions restart at every sample, which makes transformers
-    build a block-diagonal causal mask (no 2-D attention mask is passed; LF's neat_packing), and
-    the first token of each sample is not a target (it would be predicted from the previous
-    sample's last token; LF leaves that label as the data has it, which is a prompt token's IGNORE
-    unless train_on_prompt). Works on the int32 store: no example is materialised as Python lists.
-    """
-    from .packing import knapsacks
-    store = examples if isinstance(examples, Examples) else Examples.from_list(examples)
-    lengths = store.lengths().tolist()
-    bins = [[batch[k] for k in group]
-            for batch in (batches if batches is not None else [list(range(len(store)))])
-            for group in knapsacks([lengths[i] for i in batch], cutoff_len)]
-    members = np.array([i for b in bins for i in b], dtype=np.int64)
-    sizes = store.lengths()[members]
-    firsts = np.cumsum(sizes) - sizes                     # where each sample starts in the packed stream
-    ids = np.concatenate([store.ids[store.starts[i]:store.ends[i]] for i in members])
-    labels = np.concatenate([store.labels[store.starts[i]:store.ends[i]] for i in members])
-    labels[firsts] = IGNORE
-    positions = (np.arange(len(ids)) - np.repeat(firsts, sizes)).astype(np.int32)
-    bin_ends = np.cumsum([sum(lengths[i] for i in b) for b in bins], dtype=np.int64)
-    return Examples(ids, labels, np.concatenate(([0], bin_ends[:-1])), bin_ends, positions)
 
 
 def show_example(tokenizer, ex: Example) -> str:

@@ -5,7 +5,7 @@ encode.py) or pt (raw text, EOS appended).
     encode_record({"instruction": "Hi", "input": "", "output": "Hello"}, attr, config, tok, template)
       -> (ids, labels, why_skipped)
 
-tokenize_cache.py maps this over a data set (datasets.map, cached on disk) and data.py builds
+tokenize_cache.py maps this over a data set (datasets.map, cached on disk) and loader.py builds
 the examples of a run from it; it imports neither.
 """
 from __future__ import annotations
@@ -140,7 +140,7 @@ def encode_chat(tokenizer, template, messages: list[dict], cutoff_len: int, trai
 def pretrain_tokens(tokenizer, text, separator: str | None) -> list[int]:
     """One pre-training document's tokens: its text with `separator` (pt_separator's) appended,
     tokenized as one string without special tokens, as LLaMA-Factory's pretrain processor does.
-    Documents are then cut into blocks or truncated (tokenize_cache.to_examples)."""
+    Documents are then cut into blocks or truncated (processor/pretrain.py)."""
     return tokenizer(_text(text) + (separator or ""), add_special_tokens=False)["input_ids"]
 
 

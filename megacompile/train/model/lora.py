@@ -25,56 +25,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ..hparams.finetuning_args import LORA_KEYS, split_names  # noqa: F401 (API)
+from ..hparams.finetuning_args import check_lora as check_config  # noqa: F401 (API)
 
 #: the LoRA keys and their defaults (LLaMA-Factory's)
-LORA_KEYS = {"lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all",
-             "additional_target": None, "use_rslora": False, "merge_lora": False}
-#: LLaMA-Factory's default forbidden target of lora_target: all (the output layer)
 _NOT_ALL = ("lm_head",)
 _ADAPTER = "default"
 _WRAPPER = "_megatrain_peft_model"   # (a plain attribute: assigned through object, not as a submodule)
-
-
-def split_names(value) -> list[str]:
-    """'q_proj, v_proj' -> ['q_proj', 'v_proj'] (a list passes through), as LF's split_arg."""
-    if value is None:
-        return []
-    if isinstance(value, str):
-        return [v.strip() for v in value.split(",")]
-    return [str(v).strip() for v in value]
-
-
-def check_config(config) -> None:
-    """LoRA keys only with finetuning_type: lora; their values are possible; peft is installed."""
-    if config.finetuning_type != "lora":
-        changed = [f"{k}={getattr(config, k)!r}" for k, default in LORA_KEYS.items() if getattr(config, k) != default]
-        if changed:
-            one = len(changed) == 1
-            raise ConfigError(f"{', '.join(changed)} {'configures' if one else 'configure'} finetuning_type: lora, but "
-                              f"this config has finetuning_type: {config.finetuning_type}: remove "
-                              f"{'it' if one else 'them'} or set finetuning_type: lora.")
-        return
-    if not isinstance(config.lora_rank, int) or isinstance(config.lora_rank, bool) or config.lora_rank < 1:
-        raise ConfigError(f"lora_rank={config.lora_rank!r}: give a positive integer (LLaMA-Factory's default is 8).")
-    if config.lora_alpha is not None and (isinstance(config.lora_alpha, bool)
-                                          or not isinstance(config.lora_alpha, (int, float)) or config.lora_alpha <= 0):
-        raise ConfigError(f"lora_alpha={config.lora_alpha!r}: give a positive number, or leave it unset for "
-                          "2 * lora_rank.")
-    if not isinstance(config.lora_dropout, (int, float)) or not 0 <= config.lora_dropout < 1:
-        raise ConfigError(f"lora_dropout={config.lora_dropout!r}: give a probability in [0, 1).")
-    for key in ("lora_target", "additional_target"):
-        names = split_names(getattr(config, key))
-        if "" in names or (key == "lora_target" and not names):
-            raise ConfigError(f"{key}={getattr(config, key)!r} has an empty name: give comma-separated module names "
-                              "(e.g. q_proj,v_proj" + (", or all)." if key == "lora_target" else ")."))
-    if "all" in split_names(config.lora_target) and len(split_names(config.lora_target)) > 1:
-        raise ConfigError(f"lora_target={config.lora_target!r}: all means every linear layer; give it alone.")
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise ConfigError("finetuning_type: lora needs peft: pip install 'megatrain[lora]' (or pip install peft).") \
-            from None
 
 
 def target_modules(model: nn.Module, lora_target) -> list[str]:
@@ -108,7 +66,7 @@ def apply_lora(model: nn.Module, config) -> str:
     """Inject LoRA adapters into `model` (meta or loaded) in place, as LLaMA-Factory configures
     them; only the adapters (and additional_target) train. Returns a line for the log."""
     from peft import LoraConfig, get_peft_model
-    from ..vlm import is_vlm
+    from ...vlm import is_vlm
     if is_vlm(model):   # (LF's VLM LoRA skips the vision tower and projector by name: not mirrored yet)
         raise ConfigError(f"finetuning_type: lora with the vision-language model {model.config.model_type} is not "
                           "supported yet: use finetuning_type: full.")
@@ -151,7 +109,7 @@ def is_lora(model: nn.Module) -> bool:
 
 def _masters_shown(model: nn.Module):
     """The trainable parameters showing their fp32 masters while peft reads them."""
-    from ..runtime.store import masters_shown
+    from ...runtime.store import masters_shown
     return masters_shown([p for p in model.parameters() if p.requires_grad])
 
 
@@ -196,7 +154,7 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_merged(model: nn.Module, folder: Path, saver=None) -> None:
     """A Hugging Face model folder with the adapters merged (merge_lora: true), loadable with
     AutoModelForCausalLM.from_pretrained like a full fine-tune's output; `saver`: the tokenizer."""
-    from .checkpoint_files import write_model_files, write_weights
+    from .hf_folder import write_model_files, write_weights
     folder.mkdir(parents=True)
     tensors = merged_state_dict(model)
     tied = getattr(model.config, "tie_word_embeddings", False) and getattr(model, "_tied_weights_keys", None)

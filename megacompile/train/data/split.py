@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 def holdout_indices(n: int, val_size: float, seed: int) -> tuple[list[int], list[int]]:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from ..hparams.finetuning_args import split_names  # noqa: F401 (API: freeze.split_names)
 
 _INDEX = re.compile(r"\.(\d+)\.")
 
@@ -34,11 +35,6 @@ class Selection:
     layers: range                 # the decoder layers that train (some or all of their modules)
     patterns: tuple[str, ...]     # substrings of the names of the parameters that train
     trainable: tuple[str, ...]    # the names of the parameters that train, in the model's order
-
-
-def split_names(text: str | None) -> list[str]:
-    """LF's comma-separated module names: "mlp, self_attn" -> ["mlp", "self_attn"]; None -> []."""
-    return [] if text is None else [part.strip() for part in text.split(",")]
 
 
 def num_layers(model: nn.Module) -> int:

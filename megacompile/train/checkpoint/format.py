@@ -53,17 +53,17 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import CannotFitError, TrainingError
-from ..units import fmt_bytes as _fmt
-from ..runtime.store import master_weight, masters_shown, set_master
-from ..vlm import store_parameters
+from ...errors import CannotFitError, TrainingError
+from ...units import fmt_bytes as _fmt
+from ...runtime.store import master_weight, masters_shown, set_master
+from ...vlm import store_parameters
 from . import rng_state
-from .checkpoint_files import (CHECKPOINT_NAME, MAX_SHARD_SIZE, TRAINER, WEIGHTS,  # noqa: F401 (API)
+from .files import (CHECKPOINT_NAME, MAX_SHARD_SIZE, TRAINER, WEIGHTS,  # noqa: F401 (API)
                                WEIGHTS_INDEX, CheckpointError, checkpoints, damaged, elsewhere, finite,
                                is_megatrain, step_of, trainer_shaped, write_model_files, write_weights)
 
 if TYPE_CHECKING:
-    from .checkpoint_tier import Moments
+    from .tier import Moments
 
 _PREV = re.compile(r"^checkpoint-(\d+)\.prev$")
 FILES = (WEIGHTS, "optimizer.pt", "rng.json")   # (sharded weights: the index instead of model.safetensors)
@@ -108,12 +108,12 @@ def estimate_bytes(model: torch.nn.Module, optimizer) -> int:
     tensors + a little for the headers and JSON files)."""
     masters = sum(4 * p.numel() if p.dtype in (torch.bfloat16, torch.float16) else p.numel() * p.element_size()
                   for p in {id(p): p for p in model.parameters()}.values())
-    from .lora import is_lora
+    from ..model.lora import is_lora
     if is_lora(model):   # the adapter's masters, twice (model.safetensors and adapter_model.safetensors)
         masters = 2 * sum(4 * p.numel() for p in model.parameters() if p.requires_grad)
     state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor))
-    from .checkpoint_tier import estimate_tiered_bytes
+    from .tier import estimate_tiered_bytes
     state += estimate_tiered_bytes(optimizer)   # (a tier's moments are not in optimizer.state)
     if not optimizer.state:   # before the first step: AdamW's two fp32 moments per trainable weight
         state = sum(8 * p.numel() for g in optimizer.param_groups for p in g["params"])
@@ -162,8 +162,8 @@ def save(output_dir: str | Path, step: int, model: torch.nn.Module, optimizer, t
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"checkpoint-{step}.tmp"
-    from . import checkpoint_tier
-    from .lora import is_lora, save_adapter
+    from . import tier as checkpoint_tier
+    from ..model.lora import is_lora, save_adapter
     adapter = is_lora(model)   # (LoRA: the adapter's weights only; the base model is model_name_or_path)
     tier = checkpoint_tier.tier_of(optimizer)
     # with a tier the masters are read one shard at a time while writing (never all in RAM)
@@ -252,7 +252,7 @@ def read(path: str | Path, stream: bool | None = None) -> Loaded:
     `stream`: check the weights tensor by tensor and keep none of them (Loaded.masters reads
     them again when applied) and map optimizer.pt instead of reading it, for a run whose
     optimizer has a state tier; None: stream when the checkpoint was saved with a tier."""
-    from . import checkpoint_tier
+    from . import tier as checkpoint_tier
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a folder: resume_from_checkpoint takes a checkpoint-N folder, or true "
@@ -376,7 +376,7 @@ def apply(loaded: Loaded, model: torch.nn.Module, optimizer, pin: bool = False) 
     returns its trainer.json. Everything that can mismatch is compared before anything is set.
     With a state tier (or a checkpoint saved with one) the masters and tiered moments go in one
     tensor at a time (checkpoint_tier.py)."""
-    from . import checkpoint_tier
+    from . import tier as checkpoint_tier
     path, masters = loaded.path, loaded.masters
     params = dict(model.named_parameters())
     if loaded.trainer.get("weights") == "trainable":   # (LoRA: the frozen rest came from model_name_or_path)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MegatrainError
+from ...errors import MegatrainError
 
 MARKER = "<image>"
 
@@ -110,7 +110,7 @@ class ImageInputs:
 
 def image_inputs(config, model, processor) -> ImageInputs | None:
     """The image handling for a VLM run (None for a text-only model)."""
-    from ..vlm import is_vlm
+    from ...vlm import is_vlm
     if processor is None or not is_vlm(model):
         return None
     return ImageInputs(processor, model, config.media_dir or config.dataset_dir, config.image_max_pixels,

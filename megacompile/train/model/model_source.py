@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -68,7 +68,7 @@ class ModelSource:
     def _embedded(self, source: str) -> None:
         if source != "embedded:smollm2":
             raise ConfigError(f"model_name_or_path={source!r}: the embedded model is embedded:smollm2.")
-        from ..embedded import load_smollm2
+        from ...embedded import load_smollm2
         self._check_layers(30)
         self._model, self.tokenizer = load_smollm2(
             torch_dtype=checkpoint_dtype(self.config, self.device, torch.bfloat16), num_layers=self.config.num_layers)
@@ -89,7 +89,7 @@ class ModelSource:
     def _load_config(self, source: str) -> None:
         from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
-        from ..meta_model import check_decoder_only
+        from ...meta_model import check_decoder_only
         remote = self.config.trust_remote_code
         try:
             self.hf_config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
@@ -109,7 +109,7 @@ class ModelSource:
                               "folder needs the tokenizer files (tokenizer.json or its vocabulary), as saved by "
                               "tokenizer.save_pretrained.") from None
         if self.config.num_layers:
-            from ..presets import keep_layers
+            from ...presets import keep_layers
             keep_layers(self.hf_config, self.config.num_layers)
 
     def _check_layers(self, layers: int | None) -> None:
@@ -159,5 +159,5 @@ class ModelSource:
 
 
 def _hub_available() -> bool:
-    from .sources import hub_reachable
+    from ..data.sources import hub_reachable
     return os.environ.get("HF_HUB_OFFLINE") == "1" or hub_reachable()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 #: nvme_placement values ("none" is `nvme` left unset)
 TIER_PLACEMENTS = ("auto", "moments", "all")
@@ -30,7 +30,7 @@ def tier_dirs(config, profile_paths: tuple[str, ...] = ()) -> tuple[str, ...]:
     """The directories the tier's files go into: nvme_paths, else the profile's paths; each an
     existing writable directory outside output_dir and the model folder (files there would be
     taken for the run's outputs, and megatrain never writes into a model folder)."""
-    from ..ssd import check_tier_dirs
+    from ...ssd import check_tier_dirs
     given = config.nvme_paths if config.nvme_paths else list(profile_paths)
     if not given:
         raise ConfigError(f"nvme={config.nvme!r} needs nvme_paths: the directories the state tier's files go "
@@ -51,7 +51,7 @@ def tier_dirs(config, profile_paths: tuple[str, ...] = ()) -> tuple[str, ...]:
 def check_tier_keys(config) -> None:
     """Refuse a bad nvme / nvme_paths / nvme_placement now (ConfigError, exit 2). A measure:
     profile's directories are checked here and measured only when training starts."""
-    from ..ssd import check_ssd_spec
+    from ...ssd import check_ssd_spec
     if config.nvme_placement not in TIER_PLACEMENTS:
         raise ConfigError(f"nvme_placement={config.nvme_placement!r}: use one of {', '.join(TIER_PLACEMENTS)} "
                           "(leave nvme unset to keep everything in RAM).")

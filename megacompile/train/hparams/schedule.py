@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 #: Hugging Face's scheduler types that are a function of the step (SchedulerType)
 SCHEDULERS = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",

@@ -22,13 +22,18 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
-from ..options import Options
-from ..runtime.adamw import OVERLAP_MODES
-from ..vlm import VISION_MODES
-from . import finetuning, lf_keys, schedule
-from .report import REPORTS
+from ...errors import ConfigError
+from ...options import Options
+from ...runtime.adamw import OVERLAP_MODES
+from ...vlm import VISION_MODES
+from . import finetuning_args as finetuning
+from . import lf_keys
+from . import schedule
 from .tier_keys import check_tier_keys
+
+#: the trackers `report_to` can name besides the JSONL log (report.py opens them)
+TRACKERS = ("tensorboard", "wandb")
+REPORTS = ("none", "jsonl", "all") + TRACKERS
 
 STAGES = ("sft", "pt")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import MegatrainError
+from ...errors import MegatrainError
 
 SOURCE_KEYS = ("file_name", "hf_hub_url", "ms_hub_url", "om_hub_url", "script_url", "cloud_file_name")
 ATTR_KEYS = set(SOURCE_KEYS) | {"formatting", "ranking", "subset", "split", "folder", "num_samples", "columns",
