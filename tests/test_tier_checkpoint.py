@@ -94,7 +94,7 @@ def saved(tmp_path_factory):
             (root / folder).mkdir()
         out[key] = checkpoint.save(root / key, 2, model, opt, TRAINER)
         with pytest.MonkeyPatch.context() as mp:   # every save_file call: what it holds at once
-            mp.setattr(checkpoint, "MAX_SHARD_SIZE", SMALL_SHARD)
+            mp.setattr(hf_folder, "MAX_SHARD_SIZE", SMALL_SHARD)
             mp.setattr(checkpoint_tier, "MAX_SHARD_SIZE", SMALL_SHARD)
             held = []
             real = checkpoint_tier.save_file
