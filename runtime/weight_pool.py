@@ -8,10 +8,16 @@ in on first touch, so the pool recycles released buffers itself, but only when n
 old weights survives (a surviving view would otherwise see the next layer's weights). On CUDA
 the copy runs on a dedicated stream and `wait` makes the compute stream wait on its event; on
 the CPU copies are synchronous and `wait` is free.
+
+A resident segment goes through two states, checked where a transition is expected:
+
+    fetch -> COPYING --(gather: data parallelism's collectives start)--> COPYING
+          --wait--> READY --(views: read by the bodies; run any number of times)--> evict
 """
 from __future__ import annotations
 
 import contextlib
+import enum
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +38,11 @@ def layout(tensors) -> tuple[list[int], int]:
     return offsets, total
 
 
+class Residency(enum.Enum):
+    COPYING = "copying"   # fetched: its copy (and under data parallelism its collectives) may be in flight
+    READY = "ready"       # waited for: the bodies may read its views
+
+
 @dataclass
 class Resident:
     buffer: torch.Tensor
@@ -41,6 +52,14 @@ class Resident:
     routed: list = None        # views whose rows are fetched by routing
     gather: tuple = None       # data parallelism: (row bytes to all-gather, end of the rest to all-reduce)
     works: list = field(default_factory=list)   # its collectives in flight (waited for by `wait`)
+    state: Residency = Residency.COPYING
+
+    def expect(self, key: int, *states: Residency, doing: str) -> None:
+        """A transition the schedule must only ask for in `states` (a program bug otherwise)."""
+        if self.state not in states:
+            raise ResidencyError(f"segment {key}: {doing} while its weights are {self.state.value} (expected "
+                                 f"{' or '.join(s.value for s in states)}): the schedule's transfer ops are out of "
+                                 "order")
 
 
 def _sum_owned(res: Resident, head: int, end: int, group) -> list:
@@ -152,6 +171,7 @@ class DeviceWeightPool:
         import torch.distributed as dist
         from ..distributed import all_gather_into
         res = self.resident[key]
+        res.expect(key, Residency.COPYING, doing="all-gather")
         head, end = res.gather
         works = []
         with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
@@ -167,15 +187,20 @@ class DeviceWeightPool:
         """The compute stream (the CPU: this thread) waits for the segment's copy and, under data
         parallelism, its collectives."""
         res = self.resident[key]
+        res.expect(key, Residency.COPYING, Residency.READY, doing="wait")   # (a second wait finds nothing in flight)
         if res.event is not None:
             torch.cuda.current_stream(self.device).wait_event(res.event)
             res.event = None
         works, res.works = res.works, []
         for work in works:
             work.wait()
+        res.state = Residency.READY
 
     def views(self, key: int) -> dict[int, torch.Tensor]:
-        return self.resident[key].views
+        """The segment's weights as device tensors, for a body to read (after `wait`)."""
+        res = self.resident[key]
+        res.expect(key, Residency.READY, doing="a body reads its weights")
+        return res.views
 
     def record_rows(self, index: int, rows: list[int], nbytes: int) -> None:
         """A routed weight's body fetched `rows` (its gradient leaves the device for those only)."""

@@ -62,6 +62,9 @@ def test_residency_check_catches_use_after_evict():
             return torch.ones(4)
 
     pool.fetch(0, {7: Entry()})
+    with pytest.raises(megacompile.ResidencyError, match="a body reads its weights while its weights are copying"):
+        pool.views(0)   # (the schedule's wait comes before the body: its copy may be in flight)
+    pool.wait(0)
     view = pool.views(0)[7]
     pool.check_resident(0, 7, view, "w")
     pool.evict(0)
