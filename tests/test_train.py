@@ -281,6 +281,14 @@ def test_quickstart_config_trains_the_embedded_model(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in log_rows(tmp_path / "q"))
 
 
+def test_quickstart_config_is_a_valid_config(tmp_path):
+    """examples/train_quickstart.yaml (the README's first `megatrain train`) loads, on the embedded
+    model and the sample data; it trains end to end under -m slow (the test above)."""
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(root / "examples" / "train_quickstart.yaml", [f"output_dir={tmp_path / 'q'}"])
+    assert cfg.model_name_or_path == "embedded:smollm2" and cfg.dataset and cfg.max_steps != 0
+
+
 def test_example_configs_for_real_models_load_and_plan(capsys):
     """examples/configs: at least 20 real models (7B to 405B, dense, hybrid, MoE, VLM); every config
     is valid and its model is known to the planner; a dense one and a VLM are planned end to end."""
