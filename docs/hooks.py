@@ -70,7 +70,8 @@ def train_keys() -> str:
 
 
 def errors() -> str:
-    from megacompile import cli, errors as err
+    import megacompile.cli  # noqa: F401 (its UsageError is one of the classes)
+    from megacompile import errors as err
 
     def subclasses(cls):
         for sub in cls.__subclasses__():
@@ -82,7 +83,6 @@ def errors() -> str:
         doc = " ".join((cls.__doc__ or "").split())
         out.append(f"| `{cls.__module__.replace('megacompile.', '')}.{cls.__name__}` | {cls.exit_code} | "
                    f"{_cell(doc)} |")
-    del cli   # (imported so that its error classes, e.g. UsageError, are subclasses by now)
     return "\n".join(out)
 
 

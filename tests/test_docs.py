@@ -83,7 +83,10 @@ def test_an_unknown_generated_table_is_an_error():
         _hooks().render("text\n<!-- megatrain:generate lf-key -->\n")
 
 
-@pytest.mark.parametrize("where,line", _tested_lines(), ids=[w for w, _ in _tested_lines()])
+TESTED_LINES = _tested_lines()
+
+
+@pytest.mark.parametrize("where,line", TESTED_LINES, ids=[w for w, _ in TESTED_LINES])
 def test_a_command_the_docs_mark_as_tested_runs(where, line, tmp_path, monkeypatch):
     from megacompile.cli import main
     command, _, comment = line.partition("#")

@@ -19,19 +19,18 @@ import importlib.util
 import sys
 import warnings
 
-#: the flat layout's modules -> their place now (`data` and `checkpoint` are packages that export
-#: their old module's names, so they need no entry)
+#: the flat layout's modules (as stop 52 shipped them) -> their place now (`data` and `checkpoint`
+#: are packages that export their old module's names, so they need no entry)
 MOVED = {
     "config": "hparams.config", "lf_keys": "hparams.lf_keys", "tier_keys": "hparams.tier_keys",
     "keys_help": "hparams.keys_help", "schedule": "hparams.schedule",
-    "registry": "data.registry", "sources": "data.sources", "records": "data.records", "templates": "data.templates",
+    "registry": "data.registry", "sources": "data.sources", "templates": "data.templates",
     "jinja_template": "data.jinja_template", "tool_formats": "data.tool_formats", "encode": "data.encode",
     "packing": "data.packing", "stream": "data.stream", "tokenize_cache": "data.tokenize_cache",
-    "examples": "data.examples", "images": "data.images", "split": "data.split",
+    "examples": "data.examples", "images": "data.images",
     "model_source": "model.model_source", "finetuning": "model.finetuning", "lora": "model.lora",
     "freeze": "model.freeze",
-    "checkpoint_files": "checkpoint.files", "checkpoint_tier": "checkpoint.tier", "rng_state": "checkpoint.rng_state",
-    "resume": "checkpoint.resume",
+    "checkpoint_tier": "checkpoint.tier", "rng_state": "checkpoint.rng_state", "resume": "checkpoint.resume",
 }
 
 

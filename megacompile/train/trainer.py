@@ -29,29 +29,26 @@ from pathlib import Path
 
 import torch
 
-from .. import distributed
-from .. import log as logs
-from .. import vlm
+from .. import distributed, log as logs, vlm
 from ..distributed import SINGLE, Topology, agree, all_sum
 from ..errors import ConfigError, InternalError, TrainingError, megatrain_error_in
 from ..runtime.adamw import HostAdamW, Overlap
 from ..runtime.state_tier import StateTier
 from ..runtime.tier_io import TierIOError
 from ..vlm import is_vlm
-from .checkpoint import format as checkpoint
-from .model import lora
 from . import ranks
-from .checkpoint import resume
 from .hparams import schedule
-from .data import stream
 from .hparams.config import TrainConfig
-from .data.loader import (IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint,
-                   lengths_vary, mark_lengths_dynamic, run_batches, show_example, skip_summary)
-from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
-from .model.finetuning import apply_finetuning
-from .flops import FlopCounter, device_peak
+from .data import stream
 from .data.images import image_inputs
+from .data.loader import (IGNORE, Order, build_examples, check_datasets, collate, data_template, fingerprint,
+                          lengths_vary, mark_lengths_dynamic, run_batches, show_example, skip_summary)
+from .model import lora
+from .model.finetuning import apply_finetuning
 from .model.model_source import ModelSource
+from .checkpoint import format as checkpoint, resume
+from .evaluate import EvalSet, Schedule as EvalSchedule, check_config as check_eval_config, eval_set, evaluate
+from .flops import FlopCounter, device_peak
 from .preflight import PreflightError, check_device, choose_tier, plan_check, preflight  # noqa: F401 (PreflightError: API)
 from .report import open_reporter
 from .run_dir import EXPORT_MANIFEST, LOG_NAME, RunDir, read_log, run_files

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from ...errors import MegatrainError
-from ..model.hf_folder import MAX_SHARD_SIZE, WEIGHTS, WEIGHTS_INDEX, write_model_files, write_weights  # noqa: F401 (API)
 
 #: the name of a checkpoint folder: checkpoint-N
 CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")

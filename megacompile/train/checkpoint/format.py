@@ -14,7 +14,7 @@
                       data fingerprint and the size of every other file
 config.json keeps the model's dtype: from_pretrained loads the fp32 masters into it (bf16 for a
 bf16 model), as the final export holds it.
-A LoRA run (finetuning_type: lora, lora.py) saves only what trains: model.safetensors holds the
+A LoRA run (finetuning_type: lora, model/lora.py) saves only what trains: model.safetensors holds the
 adapters' (and additional_target's) fp32 masters by parameter name, next to the adapter as peft
 writes it (adapter_model.safetensors, adapter_config.json; no config.json: it is no full model),
 and trainer.json says "weights": "trainable"; a resume takes the frozen base from
@@ -33,7 +33,7 @@ weights and moments) before anything in the model changes; `apply` then sets the
 optimizer state and the generators.
 
 An optimizer with a state tier (HostAdamW(tier=...): masters and moments in files on NVMe) saves
-and loads through checkpoint_tier.py, one shard at a time: the same model files, the tiered
+and loads through tier.py, one shard at a time: the same model files, the tiered
 moments in optimizer-moments-0000k-of-0000n.safetensors beside optimizer.pt. Either format
 resumes with the tier on or off.
 """
@@ -58,9 +58,9 @@ from ...units import fmt_bytes as _fmt
 from ...runtime.store import master_weight, masters_shown, set_master
 from ...vlm import store_parameters
 from . import rng_state
-from .files import (CHECKPOINT_NAME, MAX_SHARD_SIZE, TRAINER, WEIGHTS,  # noqa: F401 (API)
-                               WEIGHTS_INDEX, CheckpointError, checkpoints, damaged, elsewhere, finite,
-                               is_megatrain, step_of, trainer_shaped, write_model_files, write_weights)
+from ..model.hf_folder import MAX_SHARD_SIZE, WEIGHTS, WEIGHTS_INDEX, write_model_files, write_weights  # noqa: F401
+from .files import (CHECKPOINT_NAME, TRAINER, CheckpointError, checkpoints, damaged, elsewhere,  # noqa: F401 (API)
+                    finite, is_megatrain, step_of, trainer_shaped)
 
 if TYPE_CHECKING:
     from .tier import Moments

@@ -3,7 +3,7 @@
 tensor or one shard at a time, so a checkpoint never holds more than one shard (MAX_SHARD_SIZE)
 of masters or moments in RAM, however large the model.
 
-What differs from checkpoint.py's format (the atomic protocol, trainer.json and rng.json are the same):
+What differs from format.py's (the atomic protocol, trainer.json and rng.json are the same):
   model.safetensors     the same files, byte for byte, as without the tier: the shard plan is made
                         from names, shapes and dtypes (meta tensors), then each shard's masters are
                         read (through the tier where they live there), checked finite, written, freed
@@ -33,7 +33,8 @@ from safetensors.torch import save_file
 
 from ...errors import TrainingError
 from ...runtime.store import master_entry, master_weight
-from .files import MAX_SHARD_SIZE, WEIGHTS_INDEX, CheckpointError, damaged, elsewhere, finite
+from ..model.hf_folder import MAX_SHARD_SIZE, WEIGHTS_INDEX
+from .files import CheckpointError, damaged, elsewhere, finite
 
 MOMENTS = "optimizer-moments"           # the moment shards' name; optimizer.pt's "moments" says it
 MOMENT_NAMES = ("exp_avg", "exp_avg_sq")
@@ -77,7 +78,7 @@ def _from_tier(step: int, read, *args) -> torch.Tensor:
 
 
 def write_weights(model: torch.nn.Module, tier, folder: Path, step: int, trainable_only: bool = False) -> None:
-    """model.safetensors (or its shards and index) as checkpoint_files.write_weights writes them for
+    """model.safetensors (or its shards and index) as model/hf_folder.write_weights writes them for
     the same model, holding one shard of masters at a time; non-finite weights raise TrainingError
     (the caller removes the partial folder)."""
     sources: dict[str, torch.nn.Parameter | torch.Tensor] = {

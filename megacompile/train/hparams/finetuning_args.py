@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from ...errors import ConfigError
 
+#: the LoRA keys and their defaults (LLaMA-Factory's)
 LORA_KEYS = {"lora_rank": 8, "lora_alpha": None, "lora_dropout": 0.0, "lora_target": "all",
              "additional_target": None, "use_rslora": False, "merge_lora": False}
-#: LLaMA-Factory's default forbidden target of lora_target: all (the output layer)
 
 #: the methods megatrain trains with
 METHODS = ("full", "freeze", "lora")

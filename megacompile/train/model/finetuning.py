@@ -17,9 +17,10 @@ from torch import nn
 
 from ...errors import ConfigError
 from ...vlm import is_vlm
+from ..hparams.finetuning_args import FREEZE_KEYS, METHODS, REFUSED, check_config  # noqa: F401 (API)
 from . import freeze as freeze_tuning
 from . import lora
-from ..hparams.finetuning_args import FREEZE_KEYS, METHODS, REFUSED, check_config  # noqa: F401 (API)
+
 
 def apply_finetuning(model: nn.Module, config) -> str | None:
     """Set which parameters of `model` (meta or loaded) train, as `config.finetuning_type` says;

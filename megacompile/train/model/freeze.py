@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ...errors import ConfigError
-from ..hparams.finetuning_args import split_names  # noqa: F401 (API: freeze.split_names)
+from ..hparams.finetuning_args import split_names
 
 _INDEX = re.compile(r"\.(\d+)\.")
 

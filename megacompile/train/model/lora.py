@@ -29,7 +29,7 @@ from ...errors import ConfigError
 from ..hparams.finetuning_args import LORA_KEYS, split_names  # noqa: F401 (API)
 from ..hparams.finetuning_args import check_lora as check_config  # noqa: F401 (API)
 
-#: the LoRA keys and their defaults (LLaMA-Factory's)
+#: LLaMA-Factory's default forbidden target of lora_target: all (the output layer)
 _NOT_ALL = ("lm_head",)
 _ADAPTER = "default"
 _WRAPPER = "_megatrain_peft_model"   # (a plain attribute: assigned through object, not as a submodule)

@@ -5,7 +5,7 @@ branch in the loader.
 
     processor = processor_for("sft")
     template = processor.template(config, tokenizer)
-    rows = processor.encode(records, attr, config, tokenizer, template, images, numbers)
+    rows = processor.encode(batch, indices, attr, config, tokenizer, template, images)
     examples, dropped = processor.examples(table, config, tokenizer, batches)
 """
 from __future__ import annotations

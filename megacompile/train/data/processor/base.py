@@ -1,6 +1,6 @@
 """What a stage's data processor does, in two steps (LLaMA-Factory's DatasetProcessor shape):
 
-    encode(records, ...)            -> {"input_ids": [...], "labels": [...], "images": [...], "drop": [...]}
+    encode(batch, indices, ...)     -> {"input_ids": [...], "labels": [...], "images": [...], "drop": [...]}
         a batch of records to token rows, in datasets.map's worker processes (tokenize_cache.py
         caches the rows on disk); a record that gives no example keeps an empty row and its
         reason in "drop", so mixing and the train/eval split see every record
@@ -24,8 +24,9 @@ class DatasetProcessor:
         raise NotImplementedError
 
     @staticmethod
-    def encode(records: list[dict], attr, config, tokenizer, template, images=None,
-               numbers: list[int] | None = None) -> dict[str, list]:
+    def encode(batch: dict[str, list], indices: list[int] | None, attr, config, tokenizer, template,
+               images=None) -> dict[str, list]:
+        """`batch`: datasets.map's columns (name -> values); `indices`: the records' row numbers."""
         raise NotImplementedError
 
     @staticmethod
